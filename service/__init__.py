@@ -1,0 +1,47 @@
+"""corechat: an OpenAI-compatible chat server for CPUs, on Flask and Gunicorn."""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from flask import Flask
+
+from . import api, errors
+from .settings import Settings, get_settings
+
+
+@dataclass
+class Corechat:
+    """What the views need, kept on the app: settings, the engine and the serving class."""
+
+    settings: Settings
+    engine: object
+    chat: object
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(settings: Settings | None = None, *, engine=None) -> Flask:
+    """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
+    settings = settings or get_settings()
+    app = Flask(__name__)
+    configure_logging(settings)
+    register_core(app, settings, engine)
+    errors.init_app(app)
+    api.init_app(app)
+    return app
+
+
+def configure_logging(settings: Settings) -> None:
+    """Log to stderr, which Gunicorn and journald collect."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def register_core(app: Flask, settings: Settings, engine) -> None:
+    """Attach the engine and the serving class to the app."""
+    from .chat import ChatCompletions
+    from .engine import Engine
+
+    engine = engine or Engine(settings)
+    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=ChatCompletions(engine, settings))

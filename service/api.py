@@ -1,0 +1,80 @@
+"""The HTTP routes: parse, check the cache, call the engine, respond."""
+
+import os
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from .errors import InvalidRequest, NotFound
+from .schemas import parse_chat_request, parse_json_body
+from .sse import SSE_HEADERS
+
+bp = Blueprint("api", __name__)
+
+
+def read_json_body():
+    """Return the request's JSON body, refusing other content types."""
+    if request.mimetype != "application/json":
+        error = InvalidRequest("the request body must be JSON sent with 'Content-Type: application/json'")
+        error.status = 415
+        raise error
+    return parse_json_body(request.get_data(cache=False))
+
+
+@bp.post("/v1/chat/completions")
+def create_chat_completion():
+    """Generate a chat completion, streamed as SSE or returned whole."""
+    chat = current_app.extensions["corechat"].chat
+    chat_request = parse_chat_request(read_json_body())
+    prepared = chat.prepare(chat_request)
+    generation = chat.start(prepared)
+    if chat_request.stream:
+        return Response(chat.stream(prepared, generation), mimetype="text/event-stream", headers=SSE_HEADERS)
+    return jsonify(chat.complete(prepared, generation))
+
+
+def _model_card() -> dict:
+    """Describe the served model as OpenAI's model object."""
+    core = current_app.extensions["corechat"]
+    return {"id": core.chat.model_name, "object": "model", "created": core.started_at, "owned_by": "corechat"}
+
+
+@bp.get("/v1/models")
+def list_models():
+    """List the one served model."""
+    return jsonify({"object": "list", "data": [_model_card()]})
+
+
+@bp.get("/v1/models/<path:model_id>")
+def get_model(model_id: str):
+    """Describe the served model, or 404 for any other id."""
+    card = _model_card()
+    if model_id != card["id"]:
+        raise NotFound(f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+    return jsonify(card)
+
+
+@bp.get("/healthz")
+def check_health():
+    """Answer at once while the process is alive (liveness)."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/readyz")
+def check_ready():
+    """Answer 200 once this worker's model is loaded and warmed up, 503 before (readiness)."""
+    core = current_app.extensions["corechat"]
+    engine = core.engine
+    body = {
+        "status": "ready" if engine.ready else engine.facts.get("state", "loading"),
+        "model": core.chat.model_name,
+        "worker_pid": os.getpid(),
+        **{key: value for key, value in engine.facts.items() if key != "state"},
+        "running": engine.running,
+        "waiting": engine.waiting,
+    }
+    return jsonify(body), 200 if engine.ready else 503
+
+
+def init_app(app) -> None:
+    """Register the routes."""
+    app.register_blueprint(bp)

@@ -1,0 +1,201 @@
+"""The chat-completions serving class: from a validated request to OpenAI's wire format.
+
+The views stay thin; this class knows the engine's events and OpenAI's objects, and nothing of
+Flask's request and response objects.
+"""
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from .engine import EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from .errors import ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
+from .schemas import ChatCompletionRequest
+from .sse import DONE, PING, sse_data
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A request checked against the model: its prompt, its token ids and how to sample."""
+
+    request: ChatCompletionRequest
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    completion_id: str
+    created: int
+
+
+class ChatCompletions:
+    """Prepare, run and render chat completions for one worker's engine."""
+
+    def __init__(self, engine, settings):
+        self.engine = engine
+        self.settings = settings
+
+    @property
+    def model_name(self) -> str:
+        """Return the name clients use for the served model."""
+        return self.settings.served_model_name
+
+    def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
+        if request.model not in (None, "", self.model_name):
+            raise NotFound(
+                f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        prompt_ids = self.engine.encode(prompt)
+        return PreparedChat(
+            request=request,
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            params=self._sampling_params(request, len(prompt_ids)),
+            completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+        )
+
+    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+        """Fill omitted parameters from the model's generation config and check the lengths."""
+        context = self.engine.context_length or self.settings.max_model_len or 32768
+        room = context - prompt_tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in the "
+                f"model's context of {context} tokens",
+                param="messages",
+            )
+        asked = request.requested_max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        if asked is not None and asked > self.settings.max_tokens_limit:
+            raise InvalidRequest(
+                f"{param} is {asked}, above this server's limit of {self.settings.max_tokens_limit}",
+                param=param,
+            )
+        if asked is not None and asked > room:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_tokens} tokens and {param} is {asked}: {prompt_tokens + asked} "
+                f"tokens do not fit the model's context of {context} tokens",
+                param=param,
+            )
+        defaults = self.engine.generation_defaults
+        sampling_default = getattr(defaults, "do_sample", False)
+        temperature = request.temperature
+        if temperature is None:
+            temperature = float(defaults.temperature or 1.0) if sampling_default else 1.0
+        top_p = request.top_p if request.top_p is not None else float(defaults.top_p or 1.0) if sampling_default else 1.0
+        top_k = request.top_k if request.top_k is not None else int(defaults.top_k or 0) if sampling_default else 0
+        return SamplingParams(
+            max_tokens=asked if asked is not None else min(self.settings.default_max_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(top_k, 0),
+            seed=request.seed,
+            stop=request.stop_strings,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+        )
+
+    def start(self, prepared: PreparedChat):
+        """Queue the generation, or raise 503 before anything was sent."""
+        try:
+            return self.engine.submit(prepared.prompt_ids, prepared.params)
+        except EngineOverloaded as exc:
+            raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except EngineUnavailable:
+            raise Overloaded(
+                "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+            ) from None
+
+    # Rendering -----------------------------------------------------------------------------
+
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None) -> dict:
+        """Build one chat.completion.chunk object."""
+        chunk = {
+            "id": prepared.completion_id,
+            "object": "chat.completion.chunk",
+            "created": prepared.created,
+            "model": self.model_name,
+            "system_fingerprint": self.engine.fingerprint or None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if prepared.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @staticmethod
+    def _usage(finished: Finished) -> dict:
+        """Build the usage object of a finished generation."""
+        return {
+            "prompt_tokens": finished.prompt_tokens,
+            "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        }
+
+    def stream(self, prepared: PreparedChat, source):
+        """Yield the SSE text of a reply; `source` gives engine events (a Generation or a replay).
+
+        The source is cancelled in `finally`, so a client that goes away frees its engine slot.
+        """
+        try:
+            yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
+            while True:
+                event = source.next_event(timeout=self.settings.sse_ping_seconds)
+                if event is None:
+                    yield PING
+                elif isinstance(event, TextDelta):
+                    yield sse_data(self._chunk(prepared, {"content": event.text}))
+                elif isinstance(event, Finished):
+                    if event.finish_reason == "cancelled":
+                        break
+                    yield sse_data(self._chunk(prepared, {}, event.finish_reason))
+                    if prepared.request.include_usage:
+                        usage_chunk = self._chunk(prepared, {})
+                        usage_chunk.update(choices=[], usage=self._usage(event))
+                        yield sse_data(usage_chunk)
+                    break
+                elif isinstance(event, Failed):
+                    yield sse_data(InternalError(event.message).body())
+                    break
+            yield DONE
+        finally:
+            source.cancel()
+
+    def complete(self, prepared: PreparedChat, source) -> dict:
+        """Wait for the whole reply and return a chat.completion object."""
+        pieces = []
+        try:
+            for event in source.events():
+                if isinstance(event, TextDelta):
+                    pieces.append(event.text)
+                elif isinstance(event, Failed):
+                    raise InternalError(event.message)
+                elif isinstance(event, Finished):
+                    finished = event
+                elif not isinstance(event, Started):
+                    log.warning("unexpected engine event %r", event)
+        finally:
+            source.cancel()
+        return {
+            "id": prepared.completion_id,
+            "object": "chat.completion",
+            "created": prepared.created,
+            "model": self.model_name,
+            "system_fingerprint": self.engine.fingerprint or None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "logprobs": None,
+                    "finish_reason": finished.finish_reason,
+                }
+            ],
+            "usage": self._usage(finished),
+        }

@@ -1,0 +1,27 @@
+"""Model loading and generation; knows nothing of HTTP."""
+
+from .core import (
+    Engine,
+    EngineOverloaded,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    Generation,
+    Started,
+    TextDelta,
+)
+from .loading import ModelNotFound
+from .sampling import SamplingParams
+
+__all__ = [
+    "Engine",
+    "EngineOverloaded",
+    "EngineUnavailable",
+    "Failed",
+    "Finished",
+    "Generation",
+    "ModelNotFound",
+    "SamplingParams",
+    "Started",
+    "TextDelta",
+]

@@ -1,0 +1,366 @@
+"""The engine: one thread per worker owns the model; request threads talk to it through queues."""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .loading import (
+    load_generation_defaults,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+    resolve_model_dir,
+)
+from .sampling import Sampler, SamplingParams
+from .text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
+WARMUP_TOKENS = 8
+IDLE_POLL_SECONDS = 0.5
+
+
+class EngineOverloaded(RuntimeError):
+    """The worker's waiting queue is full."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine failed to load or is shutting down."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """The engine took the request off the queue."""
+
+    queue_seconds: float
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of generated text: whole characters, no stop string."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation ended; the last event of a successful generation."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_seconds: float
+    decode_seconds: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation failed inside the engine; the last event of a failed generation."""
+
+    message: str
+
+
+Event = Started | TextDelta | Finished | Failed
+
+
+class Generation:
+    """A request's handle: the events the engine sends it, and a way to cancel it."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.submitted_at = time.monotonic()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this generation at its next token."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Tell whether cancel() was called."""
+        return self._cancelled.is_set()
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """Return the next event, or None if none came within timeout seconds."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def events(self):
+        """Yield every event up to and including the last one."""
+        while True:
+            event = self.next_event()
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    def send(self, event: Event) -> None:
+        """Deliver an event to the request (engine side)."""
+        self._events.put(event)
+
+
+@dataclass
+class _Sequence:
+    """The engine's state for one running generation."""
+
+    generation: Generation
+    sampler: Sampler
+    text: TextAssembler
+    cache: DynamicCache
+    started_at: float
+    next_input: list[int]
+    completion_tokens: int = 0
+    prompt_seconds: float = 0.0
+    first_token_at: float | None = None
+    deadline: float | None = field(default=None)
+
+
+class Engine:
+    """Owns the tokenizer and model of one worker and generates for every request it accepts."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.tokenizer = None
+        self.model = None
+        self.model_dir = None
+        self.fingerprint = ""
+        self.generation_defaults = None
+        self.context_length = 0
+        self.facts: dict[str, object] = {"state": "created"}
+        self._eos_ids: set[int] = set()
+        self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.max_queue)
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = 0
+
+    # Lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread."""
+        self.model_dir = resolve_model_dir(self.settings.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.generation_defaults = load_generation_defaults(self.model_dir)
+        self._eos_ids = self._find_eos_ids()
+        self.facts["state"] = "loading"
+        self._thread = threading.Thread(target=self._run, name="corechat-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded and warmed up; return whether it is."""
+        return self._ready.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        """Tell whether the engine serves requests."""
+        return self._ready.is_set()
+
+    @property
+    def failed(self) -> bool:
+        """Tell whether loading failed for good."""
+        return self.facts["state"] == "failed"
+
+    @property
+    def waiting(self) -> int:
+        """Return the number of requests queued and not yet started."""
+        return self._pending.qsize()
+
+    @property
+    def running(self) -> int:
+        """Return the number of sequences being generated."""
+        return self._running
+
+    def _run(self) -> None:
+        """Load, warm up, then serve until stopped (the engine thread)."""
+        try:
+            self._load_weights()
+            if self.settings.warmup:
+                self._warm_up()
+        except Exception as exc:  # a bad model must not take the worker down silently
+            log.exception("model failed to load")
+            self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+            self._fail_pending()
+            return
+        self.facts["state"] = "ready"
+        self._ready.set()
+        self._serve()
+
+    def _load_weights(self) -> None:
+        """Map the weights and record how long it took."""
+        began = time.monotonic()
+        dtype = DTYPES[self.settings.dtype]
+        self.model = load_model(self.model_dir, dtype)
+        self.fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
+        self.context_length = min(limit, self.settings.max_model_len or limit)
+        self.facts.update(
+            load_seconds=round(time.monotonic() - began, 3),
+            dtype=self.settings.dtype,
+            parameters=sum(p.numel() for p in self.model.parameters()),
+            torch_threads=torch.get_num_threads(),
+            context_length=self.context_length,
+            fingerprint=self.fingerprint,
+        )
+        log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts["load_seconds"], dtype)
+
+    def _warm_up(self) -> None:
+        """Run one real short generation so the first request does not pay for lazy initialisation."""
+        began = time.monotonic()
+        prompt_ids = self.encode(self.render_prompt(WARMUP_MESSAGES))
+        generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
+        sequence = self._begin(generation)
+        while self._step(sequence):
+            pass
+        self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
+        log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
+
+    def _fail_pending(self) -> None:
+        """Tell every queued request that the engine cannot serve it."""
+        while True:
+            try:
+                self._pending.get_nowait().send(Failed("the model failed to load"))
+            except queue.Empty:
+                return
+
+    # Text ----------------------------------------------------------------------------------
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """Render a conversation through the model's chat template, ready for the reply."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def _find_eos_ids(self) -> set[int]:
+        """Collect the ids that end a reply: the generation config's and the tokenizer's EOS."""
+        configured = self.generation_defaults.eos_token_id
+        ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # Requests ------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Queue a generation; raise EngineOverloaded when the queue is full."""
+        if self.failed or self._stopping.is_set():
+            raise EngineUnavailable(self.facts.get("error", "the engine is shutting down"))
+        generation = Generation(prompt_ids, params)
+        try:
+            self._pending.put_nowait(generation)
+        except queue.Full:
+            raise EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken") from None
+        return generation
+
+    def _serve(self) -> None:
+        """Admit queued requests and advance every running sequence by one token per round."""
+        active: list[_Sequence] = []
+        while not self._stopping.is_set():
+            self._admit(active)
+            for sequence in list(active):
+                if not self._step(sequence):
+                    active.remove(sequence)
+            self._running = len(active)
+        for sequence in active:
+            self._finish(sequence, "cancelled")
+
+    def _admit(self, active: list[_Sequence]) -> None:
+        """Move queued requests into the running set, blocking briefly when there is nothing to do."""
+        while len(active) < self.settings.max_running:
+            try:
+                generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if not active else self._pending.get_nowait()
+            except queue.Empty:
+                return
+            if generation.cancelled:
+                generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
+                continue
+            generation.send(Started(time.monotonic() - generation.submitted_at))
+            active.append(self._begin(generation))
+            self._running = len(active)
+
+    def _begin(self, generation: Generation) -> _Sequence:
+        """Create the engine state of a generation."""
+        now = time.monotonic()
+        deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
+        return _Sequence(
+            generation=generation,
+            sampler=Sampler(generation.params, self.model.config.vocab_size),
+            text=TextAssembler(self.tokenizer, generation.params.stop),
+            cache=DynamicCache(config=self.model.config),
+            started_at=now,
+            next_input=generation.prompt_ids,
+            deadline=now + deadline_seconds,
+        )
+
+    def _step(self, sequence: _Sequence) -> bool:
+        """Generate one token of a sequence; return whether it goes on."""
+        generation = sequence.generation
+        if generation.cancelled:
+            self._finish(sequence, "cancelled")
+            return False
+        try:
+            began = time.monotonic()
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=torch.tensor([sequence.next_input]),
+                    cache=sequence.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            token_id = sequence.sampler.next_token(output.logits[0, -1])
+            if sequence.first_token_at is None:
+                sequence.first_token_at = time.monotonic()
+                sequence.prompt_seconds = sequence.first_token_at - began
+        except Exception as exc:  # one bad sequence must not stop the others
+            log.exception("generation failed")
+            generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return False
+        sequence.sampler.record(token_id)
+        sequence.completion_tokens += 1
+        sequence.next_input = [token_id]
+        if token_id in self._eos_ids:
+            self._finish(sequence, "stop")
+            return False
+        delta = sequence.text.add(token_id)
+        if delta:
+            generation.send(TextDelta(delta))
+        if sequence.text.stopped:
+            self._finish(sequence, "stop")
+            return False
+        if sequence.completion_tokens >= generation.params.max_tokens or time.monotonic() >= sequence.deadline:
+            self._finish(sequence, "length")
+            return False
+        return True
+
+    def _finish(self, sequence: _Sequence, finish_reason: str) -> None:
+        """Send the held-back text and the final event of a sequence."""
+        rest = sequence.text.finish() if finish_reason != "cancelled" else ""
+        if rest:
+            sequence.generation.send(TextDelta(rest))
+        decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
+        sequence.generation.send(
+            Finished(
+                finish_reason=finish_reason,
+                prompt_tokens=len(sequence.generation.prompt_ids),
+                completion_tokens=sequence.completion_tokens,
+                prompt_seconds=sequence.prompt_seconds,
+                decode_seconds=decode_seconds,
+            )
+        )

@@ -1,0 +1,167 @@
+"""Find, load and fingerprint a Hugging Face causal LM so that workers share its weights."""
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+FINGERPRINT_STRIDE = 8 * 1024 * 1024
+FINGERPRINT_SAMPLE = 64 * 1024
+HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+class ModelNotFound(RuntimeError):
+    """The model folder or hub id cannot be resolved to files on this machine."""
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Return a local folder for a model given as a folder path or a hub id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{path} has no config.json; is it a Hugging Face model folder?")
+        return path
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") != 1:
+        raise ModelNotFound(
+            f"model folder {model} does not exist; build the demo model with "
+            f"`python -m service.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS))
+    except LocalEntryNotFoundError as exc:
+        raise ModelNotFound(
+            f"cannot download {model} from the Hugging Face hub (offline?); download it where a "
+            "network exists (`hf download " + model + " --local-dir DIR`), copy DIR here and set "
+            "MODEL=DIR"
+        ) from exc
+
+
+def load_tokenizer(model_dir: Path):
+    """Load the fast tokenizer of a model folder."""
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_generation_defaults(model_dir: Path) -> GenerationConfig:
+    """Load the model's generation_config.json, or transformers' defaults where it has none."""
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return GenerationConfig()
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """List a model's safetensors files, following a shard index where there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelNotFound(f"{model_dir} has no model.safetensors (only safetensors weights are served)")
+
+
+def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Return every tensor of a safetensors file as a view of one read-only memory map.
+
+    The map is private (copy-on-write) and never written, so all workers read the same page-cache
+    pages: N workers cost one copy of the weights, not N.
+    """
+    with path.open("rb") as file:
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+    raw = torch.tensor([], dtype=torch.uint8).set_(storage)
+    data_start = 8 + header_size
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        tensors[name] = raw[data_start + begin : data_start + end].view(dtype).view(info["shape"])
+    return tensors
+
+
+def load_model(model_dir: Path, dtype: torch.dtype):
+    """Build the model without allocating weights, then point its parameters at the mapped files."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    state = {}
+    for path in safetensors_files(model_dir):
+        state.update(map_safetensors(path))
+    converted = [name for name, tensor in state.items() if tensor.dtype != dtype and tensor.is_floating_point()]
+    if converted:
+        log.warning("converting %d tensors to %s: each worker holds a private copy of them", len(converted), dtype)
+        state = {name: tensor.to(dtype) if name in converted else tensor for name, tensor in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    if unexpected:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:3])
+    _materialize_buffers(model)
+    still_missing = [name for name, param in model.named_parameters() if param.is_meta]
+    if still_missing:
+        raise ModelNotFound(f"weights missing from {model_dir}: {still_missing[:5]}")
+    return model.eval()
+
+
+def _materialize_buffers(model) -> None:
+    """Compute the non-persistent buffers (rotary frequencies) that the meta build left empty."""
+    for module in model.modules():
+        empty = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        if empty:
+            for name in empty:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            # transformers computes these buffers in _init_weights, as its own meta loading does.
+            model._init_weights(module)
+
+
+def model_fingerprint(model_dir: Path, tokenizer) -> str:
+    """Hash what decides the model's output: config, weight file identities, tokenizer and template."""
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        # Header plus a sample of the data: a retrained model changes it, a copy to another host
+        # does not, so hosts sharing one Redis share entries.
+        with path.open("rb") as file:
+            for offset in range(0, size, FINGERPRINT_STRIDE):
+                file.seek(offset)
+                digest.update(file.read(FINGERPRINT_SAMPLE))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (model_dir / name).is_file():
+            digest.update((model_dir / name).read_bytes())
+    digest.update(str(tokenizer.chat_template).encode())
+    return digest.hexdigest()[:16]
+
+
+def process_memory() -> dict[str, int]:
+    """Return this process's RSS and PSS in bytes, from /proc/self/smaps_rollup."""
+    figures = {}
+    with open(f"/proc/{os.getpid()}/smaps_rollup") as file:
+        for line in file:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                figures[key.lower()] = int(rest.split()[0]) * 1024
+    return figures

@@ -1,0 +1,70 @@
+"""Choose the next token from logits, as OpenAI's sampling parameters describe."""
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    deadline_seconds: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Tell whether the request always takes the most likely token."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Sampler:
+    """Per-sequence sampling state: its random generator and the counts of tokens it produced."""
+
+    params: SamplingParams
+    vocab_size: int
+    generator: torch.Generator = field(init=False)
+    output_counts: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        self.generator = torch.Generator()
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        if self.params.presence_penalty or self.params.frequency_penalty:
+            self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """Return the next token id from the last position's logits (1-D)."""
+        logits = logits.float()
+        if self.output_counts is not None:
+            counts = self.output_counts[: logits.shape[-1]]
+            logits = logits - self.params.frequency_penalty * counts
+            logits = logits - self.params.presence_penalty * (counts > 0).float()
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        logits = logits / self.params.temperature
+        if self.params.top_k > 0 and self.params.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.params.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= self.params.top_p
+            logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        probabilities = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+
+    def record(self, token_id: int) -> None:
+        """Count a produced token for the presence and frequency penalties."""
+        if self.output_counts is not None and token_id < self.output_counts.shape[0]:
+            self.output_counts[token_id] += 1

@@ -1,0 +1,98 @@
+"""Typed API errors and the one place that renders them in OpenAI's error shape."""
+
+import logging
+
+from flask import jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error a client sees, with OpenAI's `type`, `code` and `param`."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers=None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """Return the OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    """The request is malformed or asks for something out of range."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt and the requested completion do not fit the context window."""
+
+    code = "context_length_exceeded"
+
+
+class Unauthorized(APIError):
+    """No valid API key."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    """No such route or model."""
+
+    status = 404
+    code = "not_found"
+
+
+class Overloaded(APIError):
+    """The worker cannot take the request now; the client should retry later."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
+class InternalError(APIError):
+    """A fault of ours; the message says nothing of internals."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+def error_response(error: APIError):
+    """Render an APIError as an HTTP response."""
+    response = jsonify(error.body())
+    response.status_code = error.status
+    response.headers.update(error.headers)
+    return response
+
+
+def handle_http_exception(exc: HTTPException):
+    """Render werkzeug's own errors (404, 405, 413, ...) in OpenAI's shape."""
+    error = APIError(exc.description or exc.name)
+    error.status = exc.code or 500
+    error.type = "invalid_request_error" if error.status < 500 else "server_error"
+    error.code = exc.name.lower().replace(" ", "_")
+    return error_response(error)
+
+
+def handle_unexpected(exc: Exception):
+    """Log a bug with its traceback; tell the client only that it happened."""
+    log.exception("unhandled error")
+    return error_response(InternalError("internal server error"))
+
+
+def init_app(app) -> None:
+    """Route every error through the OpenAI error shape."""
+    app.register_error_handler(APIError, error_response)
+    app.register_error_handler(HTTPException, handle_http_exception)
+    app.register_error_handler(Exception, handle_unexpected)

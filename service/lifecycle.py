@@ -1,0 +1,39 @@
+"""What Gunicorn's hooks do: give workers slots and cores, then start each worker's engine."""
+
+import logging
+import os
+
+from .settings import physical_core_groups
+
+log = logging.getLogger(__name__)
+
+
+def assign_slot(server, worker) -> None:
+    """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
+    taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}
+    worker.slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
+
+
+def cores_for_slot(slot: int, workers: int) -> list[int]:
+    """Return the CPUs of the physical cores that belong to a worker slot."""
+    groups = physical_core_groups()
+    per_worker = max(1, len(groups) // workers)
+    start = (slot * per_worker) % len(groups)
+    return [cpu for group in groups[start : start + per_worker] for cpu in group]
+
+
+def boot_worker(worker) -> None:
+    """Pin the worker if asked, set torch's threads, and start its engine (after fork)."""
+    import torch
+
+    core = worker.wsgi.extensions["corechat"]
+    settings = core.settings
+    slot = getattr(worker, "slot", 0)
+    if settings.pin_workers:
+        cpus = cores_for_slot(slot, settings.worker_count)
+        os.sched_setaffinity(0, cpus)
+        log.info("worker %d (slot %d) pinned to CPUs %s", os.getpid(), slot, cpus)
+    torch.set_num_threads(settings.threads_per_worker)
+    torch.set_num_interop_threads(1)
+    core.engine.facts.update(slot=slot, workers=settings.worker_count)
+    core.engine.start()

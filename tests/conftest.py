@@ -1,0 +1,57 @@
+"""Shared fixtures: the tiny dev model, a started engine, and Flask apps built by the real factory."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service import create_app
+from service.settings import Settings
+
+# Built once per machine: the tiny model takes seconds to build and never changes for a given
+# devmodel version (the builder checks its marker file).
+TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """Return the folder of the tiny random-weight Qwen2 model, building it if needed."""
+    from service.devmodel import build_dev_model
+
+    return build_dev_model(TINY_MODEL_DIR, preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def make_settings(tiny_model_dir):
+    """Return a factory of Settings on the tiny model, with overrides."""
+
+    def make(**overrides) -> Settings:
+        values = {"model": str(tiny_model_dir), "model_name": "tiny", "warmup": False, "sse_ping_seconds": 0.2}
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def engine(make_settings):
+    """Return one started engine on the tiny model, shared by the tests that only read from it."""
+    from service.engine import Engine
+
+    engine = Engine(make_settings(max_model_len=256))
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture()
+def app(make_settings, engine):
+    """Return a fresh app around the shared engine."""
+    return create_app(make_settings(max_model_len=256), engine=engine)
+
+
+@pytest.fixture()
+def client(app):
+    """Return a test client of the app."""
+    return app.test_client()
