@@ -21,7 +21,7 @@ threads = settings.http_threads
 preload_app = False
 # gthread workers heartbeat from their main loop, not from request threads, so a stream that lasts
 # minutes does not trip this timeout; it only catches a hung worker.
-timeout = 60
+timeout = settings.worker_timeout
 graceful_timeout = settings.graceful_timeout
 keepalive = 5
 loglevel = settings.log_level

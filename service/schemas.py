@@ -134,7 +134,9 @@ def parse_chat_request(body) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
+        # Of a union's alternatives, the one that got furthest names the real problem.
+        errors = exc.errors(include_url=False)
+        first = max(errors, key=lambda error: (len(error["loc"]), -errors.index(error)))
         param = _param_name(first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":

@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     http_threads: int = Field(
         16, ge=1, description="Threads per worker for HTTP: streams, health checks and scrapes in parallel."
     )
+    worker_timeout: int = Field(
+        60, ge=1, description="Seconds of silence from a worker's main loop before Gunicorn restarts it; "
+        "streams of any length are unaffected."
+    )
     graceful_timeout: int = Field(
         120, ge=1, description="Seconds a stopping worker lets in-flight streams finish."
     )

@@ -55,3 +55,22 @@ def app(make_settings, engine):
 def client(app):
     """Return a test client of the app."""
     return app.test_client()
+
+
+@pytest.fixture(scope="module")
+def gunicorn_server(tiny_model_dir, tmp_path_factory):
+    """Run corechat under real Gunicorn with 2 workers on the tiny model, for one test module."""
+    from support import GunicornServer
+
+    server = GunicornServer(
+        tmp_path_factory.mktemp("gunicorn"),
+        workers=2,
+        model=tiny_model_dir,
+        model_name="tiny",
+        max_model_len=4096,
+        worker_timeout=3,
+        sse_ping_seconds=0.5,
+    )
+    server.start()
+    yield server
+    server.stop()

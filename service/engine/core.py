@@ -136,7 +136,7 @@ class Engine:
         self.fingerprint = ""
         self.generation_defaults = None
         self.context_length = 0
-        self.facts: dict[str, object] = {"state": "created"}
+        self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.max_queue)
         self._ready = threading.Event()
@@ -197,7 +197,7 @@ class Engine:
             self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
             self._fail_pending()
             return
-        self.facts["state"] = "ready"
+        self.facts.update(state="ready", requests_finished=0)
         self._ready.set()
         self._serve()
 
@@ -355,6 +355,7 @@ class Engine:
         if rest:
             sequence.generation.send(TextDelta(rest))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
+        self.facts["requests_finished"] += 1
         sequence.generation.send(
             Finished(
                 finish_reason=finish_reason,

@@ -1,0 +1,261 @@
+"""The HTTP API through Flask's test client: OpenAI's objects, SSE framing and every 4xx."""
+
+import json
+
+import pytest
+
+USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
+
+
+def chat(client, **body):
+    """POST a chat completion with the given fields."""
+    return client.post("/v1/chat/completions", json={"messages": USER, **body})
+
+
+def sse_events(response) -> list[str]:
+    """Split an SSE body into its events, keeping comment lines."""
+    body = response.get_data(as_text=True)
+    assert body.endswith("\n\n")
+    return body[:-2].split("\n\n")
+
+
+def data_payloads(events) -> list:
+    """Return the JSON payloads of data events, and the final [DONE] marker as a string."""
+    payloads = []
+    for event in events:
+        if event.startswith(":"):
+            continue
+        assert event.startswith("data: ")
+        raw = event[len("data: ") :]
+        payloads.append(raw if raw == "[DONE]" else json.loads(raw))
+    return payloads
+
+
+def test_non_streaming_reply_is_a_chat_completion(client):
+    response = chat(client, max_tokens=6, temperature=0)
+    assert response.status_code == 200
+    body = response.get_json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert body["model"] == "tiny"
+    assert isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 1 <= usage["completion_tokens"] <= 6
+
+
+def test_stream_frames_role_content_finish_usage_then_done(client):
+    response = chat(client, max_tokens=5, seed=11, stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200
+    assert response.mimetype == "text/event-stream"
+    assert response.headers["Cache-Control"] == "no-cache"
+    assert response.headers["X-Accel-Buffering"] == "no"
+    payloads = data_payloads(sse_events(response))
+    assert payloads[-1] == "[DONE]"
+    chunks = payloads[:-1]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = chunks[-2]
+    assert finish["choices"][0]["delta"] == {}
+    assert finish["choices"][0]["finish_reason"] == "length"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 5
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[1:-2])
+    whole = chat(client, max_tokens=5, seed=11).get_json()
+    assert content == whole["choices"][0]["message"]["content"]
+
+
+def test_stream_without_usage_option_has_no_usage_field(client):
+    payloads = data_payloads(sse_events(chat(client, max_tokens=2, stream=True)))
+    assert all("usage" not in chunk for chunk in payloads[:-1])
+    assert payloads[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir):
+    from service import create_app
+    from service.engine import Engine
+
+    settings = make_settings(max_running=1, sse_ping_seconds=0.05)
+    engine = Engine(settings)
+    engine.start()
+    assert engine.wait_ready(60)
+    try:
+        app = create_app(settings, engine=engine)
+        blocker = engine.submit(engine.encode("hello"), __import__("service.engine", fromlist=["SamplingParams"]).SamplingParams(max_tokens=100_000, temperature=0))
+        blocker.next_event(timeout=30)
+        response = app.test_client().post(
+            "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}, buffered=False
+        )
+        stream = response.response
+        first = next(stream)
+        assert first.startswith(b"data: ") or first.startswith("data: ")
+        second = next(stream)
+        assert (second.decode() if isinstance(second, bytes) else second) == ": ping\n\n"
+        blocker.cancel()
+        rest = b"".join(part if isinstance(part, bytes) else part.encode() for part in stream)
+        assert rest.endswith(b"data: [DONE]\n\n")
+    finally:
+        engine.stop()
+
+
+def test_same_seed_same_reply_over_http(client):
+    first = chat(client, max_tokens=8, seed=1234, temperature=0.9).get_json()
+    second = chat(client, max_tokens=8, seed=1234, temperature=0.9).get_json()
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def test_max_completion_tokens_is_honoured(client):
+    body = chat(client, max_completion_tokens=3, temperature=0).get_json()
+    assert body["usage"]["completion_tokens"] <= 3
+
+
+def test_content_as_text_parts_equals_plain_string(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku "}, {"type": "text", "text": "about CPUs."}]}]
+    as_parts = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 4, "temperature": 0}).get_json()
+    as_string = chat(client, max_tokens=4, temperature=0).get_json()
+    assert as_parts["usage"] == as_string["usage"]
+    assert as_parts["choices"][0]["message"] == as_string["choices"][0]["message"]
+
+
+def test_unknown_fields_are_ignored(client):
+    assert chat(client, max_tokens=1, user="abc", logit_bias={}, some_future_field=[1]).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
+        ({"messages": USER, "temperature": -0.1}, "temperature"),
+        ({"messages": USER, "temperature": 2.5}, "temperature"),
+        ({"messages": USER, "temperature": "1"}, "temperature"),
+        ({"messages": USER, "top_p": 0}, "top_p"),
+        ({"messages": USER, "top_p": 1.5}, "top_p"),
+        ({"messages": USER, "top_k": -2}, "top_k"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 1.5}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 10**30}, "max_tokens"),
+        ({"messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+        ({"messages": USER, "seed": 2**64}, "seed"),
+        ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": USER, "stop": 5}, "stop"),
+        ({"messages": USER, "stop": [""]}, "stop[0]"),
+        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "stream": "yes"}, "stream"),
+        ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ],
+)
+def test_bad_fields_get_400_naming_the_field(client, body, param):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{", b"[]", b'"text"', b"null", b'{"messages": NaN}', b'{"temperature": Infinity}', b"\xff\xfe{}", b"[" * 100_000],
+)
+def test_malformed_bodies_get_400(client, raw):
+    response = client.post("/v1/chat/completions", data=raw, content_type="application/json")
+    assert response.status_code == 400
+    assert response.get_json()["error"]["type"] == "invalid_request_error"
+
+
+def test_wrong_content_type_gets_415(client):
+    response = client.post("/v1/chat/completions", data=json.dumps({"messages": USER}), content_type="text/plain")
+    assert response.status_code == 415
+    assert "application/json" in response.get_json()["error"]["message"]
+
+
+def test_unknown_model_gets_404_model_not_found(client):
+    response = chat(client, model="gpt-4o")
+    assert response.status_code == 404
+    assert response.get_json()["error"]["code"] == "model_not_found"
+
+
+def test_served_model_name_is_accepted(client):
+    assert chat(client, model="tiny", max_tokens=1).status_code == 200
+
+
+def test_prompt_plus_max_tokens_beyond_context_names_both_numbers(client, engine):
+    prompt_tokens = len(engine.encode(engine.render_prompt(USER)))
+    response = chat(client, max_tokens=256)
+    assert response.status_code == 400
+    error = response.get_json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_tokens"
+    assert str(prompt_tokens) in error["message"] and "256" in error["message"]
+    assert chat(client, max_tokens=256 - prompt_tokens).status_code == 200
+
+
+def test_prompt_longer_than_context_gets_400(client):
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 400}]})
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_above_configured_limit_gets_400(make_settings, engine):
+    from service import create_app
+
+    client = create_app(make_settings(max_model_len=256, max_tokens_limit=8), engine=engine).test_client()
+    response = chat(client, max_tokens=9)
+    assert response.status_code == 400
+    assert "8" in response.get_json()["error"]["message"]
+
+
+def test_models_lists_the_served_model(client):
+    body = client.get("/v1/models").get_json()
+    assert body["object"] == "list"
+    assert [model["id"] for model in body["data"]] == ["tiny"]
+    assert client.get("/v1/models/tiny").get_json()["object"] == "model"
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_health_and_readiness(client, engine):
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.get_json()["status"] == "ready"
+    assert ready.get_json()["model"] == "tiny"
+
+
+def test_readiness_is_503_until_the_model_is_loaded(make_settings):
+    from service import create_app
+    from service.engine import Engine
+
+    engine = Engine(make_settings())
+    client = create_app(make_settings(), engine=engine).test_client()
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/healthz").status_code == 200
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        assert client.get("/readyz").status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_unknown_route_and_method_use_the_error_shape(client):
+    assert client.get("/v2/nothing").get_json()["error"]["code"] == "not_found"
+    response = client.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.get_json()["error"]["type"] == "invalid_request_error"

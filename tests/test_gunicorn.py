@@ -1,0 +1,143 @@
+"""End to end: real Gunicorn with 2 workers on the tiny model, over real HTTP."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
+
+
+def stream_lines(response):
+    """Yield the SSE data payloads of a streaming response as they arrive."""
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def ready_facts(server) -> dict[int, dict]:
+    """Return /readyz of every worker, keyed by pid."""
+    facts = {}
+    for _ in range(60):
+        body = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=5).json()
+        facts[body["worker_pid"]] = body
+        if len(facts) == server.workers:
+            break
+    return facts
+
+
+def test_stream_over_real_http(gunicorn_server):
+    with requests.post(
+        f"{gunicorn_server.url}/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 20, "seed": 5, "stream": True},
+        stream=True,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        payloads = list(stream_lines(response))
+    assert payloads[-1] == "[DONE]"
+    assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert payloads[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_both_workers_generate(gunicorn_server):
+    before = {pid: facts["requests_finished"] for pid, facts in ready_facts(gunicorn_server).items()}
+    assert len(before) == 2
+    for _ in range(30):
+        response = requests.post(
+            f"{gunicorn_server.url}/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 2},
+            headers={"Connection": "close"},
+            timeout=60,
+        )
+        assert response.status_code == 200
+    after = {pid: facts["requests_finished"] for pid, facts in ready_facts(gunicorn_server).items()}
+    served = {pid: after[pid] - before[pid] for pid in before}
+    assert sum(served.values()) == 30
+    assert all(count > 0 for count in served.values()), served
+
+
+def test_health_answers_fast_during_a_long_stream(gunicorn_server):
+    first_chunk = threading.Event()
+    finished = {}
+
+    def long_stream():
+        with requests.post(
+            f"{gunicorn_server.url}/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 3000, "temperature": 0, "stream": True},
+            stream=True,
+            timeout=120,
+        ) as response:
+            for payload in stream_lines(response):
+                first_chunk.set()
+                if payload == "[DONE]":
+                    finished["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert first_chunk.wait(30)
+    latencies = []
+    while thread.is_alive() and len(latencies) < 20:
+        began = time.monotonic()
+        assert requests.get(f"{gunicorn_server.url}/healthz", headers={"Connection": "close"}, timeout=5).ok
+        latencies.append(time.monotonic() - began)
+    thread.join()
+    assert "done_at" in finished
+    assert len(latencies) >= 5, "the stream ended before health was probed"
+    assert max(latencies) < 1.0, latencies
+
+
+def test_stream_longer_than_gunicorn_timeout_completes(gunicorn_server):
+    """The workers run with a 3 s timeout; a stream kept open for longer still ends with [DONE]."""
+    began = time.monotonic()
+    with requests.post(
+        f"{gunicorn_server.url}/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+        stream=True,
+        timeout=120,
+    ) as response:
+        payloads = []
+        for payload in stream_lines(response):
+            payloads.append(payload)
+            if time.monotonic() - began < 4.5 and payload != "[DONE]":
+                time.sleep(0.01)  # read slowly, so the stream outlives the timeout
+    assert time.monotonic() - began > 3
+    assert payloads[-1] == "[DONE]"
+
+
+def test_master_never_loads_torch(gunicorn_server):
+    master_maps = Path(f"/proc/{gunicorn_server.process.pid}/maps").read_text()
+    assert "libtorch" not in master_maps
+    for pid in gunicorn_server.worker_pids():
+        assert "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_workers_share_one_copy_of_the_weights(gunicorn_server, tiny_model_dir):
+    """Summed over workers, the PSS of the mapped weight file stays near one copy of it."""
+    weights = tiny_model_dir / "model.safetensors"
+    total_pss = 0
+    for pid in gunicorn_server.worker_pids():
+        mapping_pss = 0
+        in_weights = False
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                in_weights = fields[-1] == str(weights)
+            elif in_weights and fields[0] == "Pss:":
+                mapping_pss += int(fields[1]) * 1024
+        assert mapping_pss > 0
+        total_pss += mapping_pss
+    assert total_pss <= 1.1 * weights.stat().st_size
+
+
+def test_workers_report_threads_slot_and_timings(gunicorn_server):
+    facts = ready_facts(gunicorn_server)
+    assert sorted(body["slot"] for body in facts.values()) == [0, 1]
+    for body in facts.values():
+        assert body["torch_threads"] >= 1
+        assert body["load_seconds"] > 0
+        assert body["warmup_seconds"] > 0
