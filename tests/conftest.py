@@ -74,3 +74,13 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture()
+def redis_server(tmp_path):
+    """Run a real redis-server on a free port for one test."""
+    from support import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
