@@ -41,3 +41,10 @@ def post_worker_init(worker):
     from service.lifecycle import boot_worker
 
     boot_worker(worker)
+
+
+def worker_exit(server, worker):
+    """Stop the engine after in-flight streams drained (in the worker, as it exits)."""
+    from service.lifecycle import stop_worker
+
+    stop_worker(worker)

@@ -37,3 +37,10 @@ def boot_worker(worker) -> None:
     torch.set_num_interop_threads(1)
     core.engine.facts.update(slot=slot, workers=settings.worker_count)
     core.engine.start()
+
+
+def stop_worker(worker) -> None:
+    """Stop the engine thread before the worker exits, so no torch call is cut off mid-flight."""
+    core = worker.wsgi.extensions["corechat"] if hasattr(worker, "wsgi") else None
+    if core is not None:
+        core.engine.stop()
