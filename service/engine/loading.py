@@ -43,10 +43,12 @@ def resolve_model_dir(model: str) -> Path:
             f"`python -m service.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
         )
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS))
+    except HfHubHTTPError as exc:
+        raise ModelNotFound(f"the Hugging Face hub refused {model}: {exc}") from exc
     except LocalEntryNotFoundError as exc:
         raise ModelNotFound(
             f"cannot download {model} from the Hugging Face hub (offline?); download it where a "

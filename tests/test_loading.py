@@ -1,0 +1,73 @@
+"""Finding and loading models: local folders, hub ids without a network, sharded checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from service.engine.loading import ModelNotFound, load_model, map_safetensors, resolve_model_dir
+from support import REPO, free_port
+
+
+def test_missing_folder_names_the_fix(tmp_path):
+    with pytest.raises(ModelNotFound, match="service.devmodel"):
+        resolve_model_dir(str(tmp_path / "nothing-here"))
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelNotFound, match="config.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_hub_id_without_network_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelNotFound, match="hf download"):
+        resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_sharded_checkpoint_loads_to_the_same_model(tiny_model_dir, tmp_path):
+    for path in tiny_model_dir.iterdir():
+        if path.name != "model.safetensors" and path.is_file():
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    tensors = {name: tensor.clone() for name, tensor in map_safetensors(tiny_model_dir / "model.safetensors").items()}
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, shard_names in halves.items():
+        save_file({name: tensors[name] for name in shard_names}, tmp_path / shard)
+        weight_map.update({name: shard for name in shard_names})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    single = load_model(tiny_model_dir, torch.bfloat16)
+    sharded = load_model(tmp_path, torch.bfloat16)
+    ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
+    with torch.inference_mode():
+        assert torch.equal(single(input_ids=ids).logits, sharded(input_ids=ids).logits)
+
+
+def test_float32_serving_converts_bf16_weights(tiny_model_dir):
+    model = load_model(tiny_model_dir, torch.float32)
+    assert {param.dtype for param in model.parameters()} == {torch.float32}
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_gunicorn_stops_with_the_reason_when_the_model_is_missing(tmp_path):
+    env = {"MODEL": str(tmp_path / "missing"), "BIND": f"127.0.0.1:{free_port()}", "WORKERS": "1"}
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "service.devmodel" in result.stdout + result.stderr
+    assert time.monotonic() - began < 60
