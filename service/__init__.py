@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from flask import Flask
 
 from . import api, errors
+from .cache import init_app as init_cache
 from .settings import Settings, get_settings
 
 
@@ -20,12 +21,13 @@ class Corechat:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def create_app(settings: Settings | None = None, *, engine=None) -> Flask:
+def create_app(settings: Settings | None = None, *, engine=None, cache=None) -> Flask:
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
     settings = settings or get_settings()
     app = Flask(__name__)
     configure_logging(settings)
     register_core(app, settings, engine)
+    init_cache(app, cache)
     errors.init_app(app)
     api.init_app(app)
     return app

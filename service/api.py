@@ -4,6 +4,7 @@ import os
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from .cache import no_cache_requested
 from .errors import InvalidRequest, NotFound
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
@@ -26,10 +27,18 @@ def create_chat_completion():
     chat = current_app.extensions["corechat"].chat
     chat_request = parse_chat_request(read_json_body())
     prepared = chat.prepare(chat_request)
-    generation = chat.start(prepared)
+    source, cache_status = current_app.extensions["corechat_cache"].open(
+        prepared,
+        chat.engine.fingerprint,
+        lambda: chat.start(prepared),
+        opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
+    )
     if chat_request.stream:
-        return Response(chat.stream(prepared, generation), mimetype="text/event-stream", headers=SSE_HEADERS)
-    return jsonify(chat.complete(prepared, generation))
+        response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
+    else:
+        response = jsonify(chat.complete(prepared, source))
+    response.headers["X-Cache"] = cache_status
+    return response
 
 
 def _model_card() -> dict:

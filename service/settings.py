@@ -98,6 +98,38 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level of the service and Gunicorn.")
 
+    # Cache
+    redis_url: str = Field(
+        "", description="Redis shared by every worker and host for the response cache (redis://, rediss://, "
+        "with password or ACL user); empty keeps an in-process LRU per worker."
+    )
+    cache_ttl_seconds: int = Field(86400, ge=1, description="How long a cached reply lives.")
+    cache_max_entry_bytes: int = Field(
+        1_000_000, ge=1, description="Largest encoded reply the cache stores; longer replies are not cached."
+    )
+    cache_local_entries: int = Field(
+        1024, ge=1, description="Replies the in-process cache of one worker keeps (used without REDIS_URL)."
+    )
+    cache_lease_seconds: float = Field(
+        3.0, gt=0, description="Expiry of the single-flight lock; the generating request renews it, and "
+        "followers take over this long after its leader died."
+    )
+    cache_poll_seconds: float = Field(
+        0.1, gt=0, description="Longest a follower waits on Redis in one call before checking its leader."
+    )
+    cache_connect_timeout_seconds: float = Field(
+        0.1, gt=0, description="Redis connect timeout; a dead Redis costs at most this per breaker period."
+    )
+    cache_socket_timeout_seconds: float = Field(
+        0.5, gt=0, description="Redis read and write timeout."
+    )
+    cache_breaker_seconds: float = Field(
+        2.0, gt=0, description="After a Redis failure, serve uncached for this long before trying Redis again."
+    )
+    cache_error_log_seconds: float = Field(
+        60.0, gt=0, description="Log Redis failures at most once per this interval."
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:

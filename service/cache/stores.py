@@ -1,0 +1,189 @@
+"""Where the cache keeps replies, locks and in-flight streams: Redis, or one worker's memory.
+
+Both stores offer the same small set of primitives, so the single-flight logic above them is written
+once and behaves the same with and without Redis.
+"""
+
+import threading
+import time
+from collections import OrderedDict
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+# Compare-and-delete / compare-and-extend: only the lock's holder may release or renew it.
+RELEASE_SCRIPT = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+RENEW_SCRIPT = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+# A flight stream outlives its last piece long enough for every follower to read the end.
+FLIGHT_STREAM_SECONDS = 60
+HEALTH_CHECK_SECONDS = 30
+
+
+class RedisStore:
+    """The shared store: one Redis (or Sentinel/Cluster front) for every worker and host."""
+
+    stream_start = "0-0"
+    name = "redis"
+
+    def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float):
+        # No retries: a failed call fails fast and the caller serves uncached.
+        self.client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=HEALTH_CHECK_SECONDS,
+        )
+        self.errors = (redis.RedisError, OSError)
+        self._socket_timeout = socket_timeout
+        self._release = self.client.register_script(RELEASE_SCRIPT)
+        self._renew = self.client.register_script(RENEW_SCRIPT)
+
+    def get(self, key: str) -> bytes | None:
+        """Return a stored value, or None."""
+        return self.client.get(key)
+
+    def put(self, key: str, value: bytes, ttl_seconds: int) -> None:
+        """Store a value with an expiry."""
+        self.client.set(key, value, ex=ttl_seconds)
+
+    def delete(self, key: str) -> None:
+        """Remove a value."""
+        self.client.delete(key)
+
+    def acquire(self, key: str, token: str, lease_seconds: float) -> bool:
+        """Take a lock unless someone holds it; return whether this token now holds it."""
+        return bool(self.client.set(key, token, nx=True, px=int(lease_seconds * 1000)))
+
+    def renew(self, key: str, token: str, lease_seconds: float) -> bool:
+        """Extend a lock this token holds; return whether it still held it."""
+        return bool(self._renew(keys=[key], args=[token, int(lease_seconds * 1000)]))
+
+    def release(self, key: str, token: str) -> None:
+        """Drop a lock if this token holds it."""
+        self._release(keys=[key], args=[token])
+
+    def holder(self, key: str) -> str | None:
+        """Return the token holding a lock, or None."""
+        token = self.client.get(key)
+        return token.decode() if token is not None else None
+
+    def append(self, stream: str, record: dict[str, str]) -> None:
+        """Add a record to a flight stream and keep the stream alive a while longer."""
+        pipeline = self.client.pipeline(transaction=False)
+        pipeline.xadd(stream, record)
+        pipeline.expire(stream, FLIGHT_STREAM_SECONDS)
+        pipeline.execute()
+
+    def read(self, stream: str, after, block_seconds: float) -> list[tuple[object, dict[str, str]]]:
+        """Return the records after `after`, waiting up to block_seconds for the first one."""
+        # The wait must end well inside the socket timeout, or a quiet stream would look like a dead Redis.
+        block_ms = max(1, int(min(block_seconds, self._socket_timeout / 2) * 1000))
+        reply = self.client.xread({stream: after}, block=block_ms)
+        if not reply:
+            return []
+        return [
+            (record_id, {field.decode(): value.decode() for field, value in fields.items()})
+            for record_id, fields in reply[0][1]
+        ]
+
+
+class LocalStore:
+    """The embedded store: one worker's memory, an LRU of replies plus locks and streams for its threads."""
+
+    stream_start = 0
+    name = "local"
+    errors = ()
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._changed = threading.Condition()
+        self._values: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._locks: dict[str, tuple[str, float]] = {}
+        self._streams: dict[str, tuple[float, list[dict[str, str]]]] = {}
+
+    def get(self, key: str) -> bytes | None:
+        """Return a stored value, or None."""
+        with self._changed:
+            entry = self._values.get(key)
+            if entry is None:
+                return None
+            expires_at, value = entry
+            if expires_at <= time.monotonic():
+                del self._values[key]
+                return None
+            self._values.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: bytes, ttl_seconds: int) -> None:
+        """Store a value with an expiry, evicting the least recently used beyond max_entries."""
+        with self._changed:
+            self._values[key] = (time.monotonic() + ttl_seconds, value)
+            self._values.move_to_end(key)
+            while len(self._values) > self.max_entries:
+                self._values.popitem(last=False)
+
+    def delete(self, key: str) -> None:
+        """Remove a value."""
+        with self._changed:
+            self._values.pop(key, None)
+
+    def acquire(self, key: str, token: str, lease_seconds: float) -> bool:
+        """Take a lock unless someone holds it; return whether this token now holds it."""
+        with self._changed:
+            self._forget_expired()
+            if key in self._locks:
+                return False
+            self._locks[key] = (token, time.monotonic() + lease_seconds)
+            return True
+
+    def renew(self, key: str, token: str, lease_seconds: float) -> bool:
+        """Extend a lock this token holds; return whether it still held it."""
+        with self._changed:
+            if self.holder(key) != token:
+                return False
+            self._locks[key] = (token, time.monotonic() + lease_seconds)
+            return True
+
+    def release(self, key: str, token: str) -> None:
+        """Drop a lock if this token holds it."""
+        with self._changed:
+            if self.holder(key) == token:
+                del self._locks[key]
+
+    def holder(self, key: str) -> str | None:
+        """Return the token holding a lock, or None."""
+        with self._changed:
+            token, expires_at = self._locks.get(key, (None, 0.0))
+            return token if expires_at > time.monotonic() else None
+
+    def append(self, stream: str, record: dict[str, str]) -> None:
+        """Add a record to a flight stream and wake its readers."""
+        with self._changed:
+            _, records = self._streams.get(stream, (0.0, []))
+            records.append(record)
+            self._streams[stream] = (time.monotonic() + FLIGHT_STREAM_SECONDS, records)
+            self._changed.notify_all()
+
+    def read(self, stream: str, after: int, block_seconds: float) -> list[tuple[int, dict[str, str]]]:
+        """Return the records after position `after`, waiting up to block_seconds for the first one."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._streams.get(stream, (0.0, []))[1]) > after, block_seconds)
+            records = self._streams.get(stream, (0.0, []))[1]
+            return [(position + 1, record) for position, record in enumerate(records[after:], start=after)]
+
+    def _forget_expired(self) -> None:
+        """Drop expired locks and streams (called with the condition held)."""
+        now = time.monotonic()
+        for key in [key for key, (_, expires_at) in self._locks.items() if expires_at <= now]:
+            del self._locks[key]
+        for key in [key for key, (expires_at, _) in self._streams.items() if expires_at <= now]:
+            del self._streams[key]

@@ -1,0 +1,331 @@
+"""The response cache in-process: keys, replay, storage rules, fail-open and single-flight takeover.
+
+Every behaviour is checked against a real redis-server and, where the embedded store shares it, the
+in-process store too.
+"""
+
+import json
+import re
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from service import create_app
+from service.cache import CachedReply, cache_key
+from service.cache.entries import flight_key, is_complete, lock_key, reply_key
+from service.engine import Finished, SamplingParams
+from service.schemas import parse_chat_request
+from support import RedisServer
+
+USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
+GREEDY = {"messages": USER, "max_tokens": 12, "temperature": 0}
+
+
+def build_app(make_settings, engine, redis_url: str = "", **overrides):
+    """Return an app on the shared engine with the cache on Redis (a URL) or in process (empty)."""
+    settings = make_settings(max_model_len=256, redis_url=redis_url, cache_breaker_seconds=0.3, **overrides)
+    return create_app(settings, engine=engine)
+
+
+@pytest.fixture(params=["redis", "local"])
+def backend(request, tmp_path):
+    """Yield the REDIS_URL of each backend: a real redis-server, then the in-process store."""
+    if request.param == "local":
+        yield ""
+        return
+    server = RedisServer(tmp_path).start()
+    yield server.url
+    server.stop()
+
+
+def post(app, body, headers=None):
+    """POST a chat completion through a fresh test client, unbuffered so streams can be read lazily."""
+    return app.test_client().post("/v1/chat/completions", json=body, headers=headers or {}, buffered=False)
+
+
+def content_chunks(body: str) -> list[str]:
+    """Return the content deltas of an SSE body in order."""
+    chunks = []
+    for event in body.split("\n\n"):
+        if event.startswith("data: {"):
+            choices = json.loads(event[len("data: ") :])["choices"]
+            if choices and choices[0]["delta"].get("content"):
+                chunks.append(choices[0]["delta"]["content"])
+    return chunks
+
+
+def without_ids(text: str) -> str:
+    """Blank out what differs between two replies to the same request: ids, timestamps, keep-alive pings."""
+    text = text.replace(": ping\n\n", "")
+    return re.sub(r'"created":\d+', '"created":0', re.sub(r"chatcmpl-[0-9a-f]+", "chatcmpl-x", text))
+
+
+def key_of(app, body) -> str:
+    """Return the store key of a request's reply, computed as the view does."""
+    core = app.extensions["corechat"]
+    with app.app_context():
+        prepared = core.chat.prepare(parse_chat_request(body))
+    return cache_key(core.engine.fingerprint, prepared.prompt, prepared.params)
+
+
+def reference_reply(app, body) -> list[str]:
+    """Return the content chunks of an uncached streamed reply to a request."""
+    response = post(app, {**body, "stream": True}, {"Cache-Control": "no-cache"})
+    assert response.headers["X-Cache"] == "bypass"
+    return content_chunks(response.get_data(as_text=True))
+
+
+# Keys ---------------------------------------------------------------------------------------
+
+
+def test_key_is_stable_and_changes_with_every_output_changing_input():
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    key = cache_key("model-a", "prompt", params)
+    assert key == cache_key("model-a", "prompt", SamplingParams(max_tokens=10, temperature=0.0))
+    variants = [
+        cache_key("model-b", "prompt", params),
+        cache_key("model-a", "prompt!", params),
+        *(
+            cache_key("model-a", "prompt", replace(params, **change))
+            for change in (
+                {"max_tokens": 11}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5}, {"seed": 1},
+                {"stop": ("\n",)}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+            )
+        ),
+    ]
+    assert len({key, *variants}) == len(variants) + 1
+    assert reply_key(key).startswith("corechat:v1:")
+
+
+def test_same_rendered_prompt_from_different_json_shares_an_entry(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    as_parts = {**GREEDY, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Write a haiku "}, {"type": "text", "text": "about CPUs."}]}]}
+    as_developer = {**GREEDY, "messages": [{"role": "developer", "content": "Be brief."}, *USER]}
+    as_system = {**GREEDY, "messages": [{"role": "system", "content": "Be brief."}, *USER]}
+    assert post(app, GREEDY).headers["X-Cache"] == "miss"
+    assert post(app, as_parts).headers["X-Cache"] == "hit"
+    assert post(app, as_developer).headers["X-Cache"] == "miss"
+    assert post(app, as_system).headers["X-Cache"] == "hit"
+
+
+# Hits ---------------------------------------------------------------------------------------
+
+
+def test_hit_replays_the_original_bytes_in_both_modes(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    body = {**GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+    fresh = post(app, body)
+    fresh_text = fresh.get_data(as_text=True)
+    replayed = post(app, body)
+    assert (fresh.headers["X-Cache"], replayed.headers["X-Cache"]) == ("miss", "hit")
+    assert without_ids(replayed.get_data(as_text=True)) == without_ids(fresh_text)
+    assert len(content_chunks(fresh_text)) > 1
+    whole = post(app, GREEDY)
+    assert whole.headers["X-Cache"] == "hit"
+    uncached = post(app, GREEDY, {"Cache-Control": "no-cache"})
+    assert without_ids(whole.get_data(as_text=True)) == without_ids(uncached.get_data(as_text=True))
+    assert whole.get_json()["usage"]["completion_tokens"] == 12
+    assert whole.get_json()["choices"][0]["message"]["content"] == "".join(content_chunks(fresh_text))
+
+
+def test_seeded_sampling_is_cached_and_unseeded_sampling_bypasses(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    sampled = {**GREEDY, "temperature": 0.8}
+    assert [post(app, sampled).headers["X-Cache"] for _ in range(2)] == ["bypass", "bypass"]
+    seeded = {**sampled, "seed": 7}
+    assert [post(app, seeded).headers["X-Cache"] for _ in range(2)] == ["miss", "hit"]
+
+
+def test_cache_control_no_cache_neither_reads_nor_writes(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    for _ in range(2):
+        response = post(app, {**GREEDY, "stream": True}, {"Cache-Control": "max-age=0, No-Cache"})
+        assert response.headers["X-Cache"] == "bypass"
+        assert response.get_data(as_text=True).endswith("data: [DONE]\n\n")
+    assert post(app, GREEDY).headers["X-Cache"] == "miss"
+    assert post(app, GREEDY, {"Cache-Control": "no-store"}).headers["X-Cache"] == "bypass"
+
+
+# Storage ------------------------------------------------------------------------------------
+
+
+def test_reply_is_stored_with_the_configured_ttl(make_settings, engine, redis_server):
+    app = build_app(make_settings, engine, redis_server.url, cache_ttl_seconds=1234)
+    post(app, GREEDY).get_data()
+    store = app.extensions["corechat_cache"].store
+    ttl = store.client.ttl(reply_key(key_of(app, GREEDY)))
+    assert 1200 < ttl <= 1234
+    assert store.client.keys("corechat:v1:lock:*") == []
+
+
+def test_reply_larger_than_the_cap_is_not_stored(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend, cache_max_entry_bytes=10)
+    assert [post(app, GREEDY).headers["X-Cache"] for _ in range(2)] == ["miss", "miss"]
+    assert app.extensions["corechat_cache"].store.get(reply_key(key_of(app, GREEDY))) is None
+
+
+def test_corrupt_entry_is_ignored_deleted_and_replaced(make_settings, engine, backend, caplog):
+    app = build_app(make_settings, engine, backend)
+    store = app.extensions["corechat_cache"].store
+    key = reply_key(key_of(app, GREEDY))
+    expected = post(app, GREEDY).get_json()["choices"][0]["message"]
+    for garbage in (b"\xff\x00not json", b'[["a"],"cancelled",1,2]', b'{"pieces":[]}', b'[[1],"stop",1,2]'):
+        store.put(key, garbage, 60)
+        response = post(app, GREEDY)
+        assert response.headers["X-Cache"] == "miss"
+        assert response.get_json()["choices"][0]["message"] == expected
+        CachedReply.decode(store.get(key))
+    assert caplog.text.count("deleting corrupt cache entry") == 4
+
+
+def test_only_replies_that_ended_on_their_own_or_at_max_tokens_are_complete():
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    assert is_complete(Finished("stop", 5, 3, 0.0, 0.0), params)
+    assert is_complete(Finished("length", 5, 10, 0.0, 0.0), params)
+    assert not is_complete(Finished("length", 5, 4, 0.0, 0.0), params)  # cut by max_generation_seconds
+    assert not is_complete(Finished("cancelled", 5, 4, 0.0, 0.0), params)
+
+
+# Fail open ----------------------------------------------------------------------------------
+
+
+def read_stream(response) -> str:
+    """Read a whole SSE response and check it ended cleanly."""
+    text = response.get_data(as_text=True)
+    assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+    return text
+
+
+def wait_until_cached(app, body, timeout: float = 10) -> None:
+    """Send a request until it is a hit (the breaker lets the store back in after a short pause)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if post(app, body).headers["X-Cache"] == "hit":
+            return
+        time.sleep(0.1)
+    raise AssertionError("the cache did not recover")
+
+
+def test_requests_succeed_with_redis_absent_killed_midstream_and_back(make_settings, engine, tmp_path, caplog):
+    redis = RedisServer(tmp_path)
+    app = build_app(make_settings, engine, redis.url)
+    body = {**GREEDY, "stream": True}
+    for _ in range(3):
+        response = post(app, body)
+        assert response.headers["X-Cache"] == "bypass"
+        read_stream(response)
+    assert caplog.text.count("response cache store failed") == 1
+
+    redis.start()
+    wait_until_cached(app, body)
+
+    other = {**body, "max_tokens": 13}
+    leader = post(app, other)
+    assert leader.headers["X-Cache"] == "miss"
+    chunks = leader.iter_encoded()
+    next(chunks)
+    redis.stop()
+    assert "".join(chunk.decode() for chunk in chunks).endswith("data: [DONE]\n\n")
+    for _ in range(3):
+        response = post(app, other)
+        assert response.headers["X-Cache"] == "bypass"
+        read_stream(response)
+
+    redis.start()
+    wait_until_cached(app, other)
+    redis.stop()
+
+
+def test_a_server_answering_garbage_is_treated_as_down(make_settings, engine):
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_garbage():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n\x00\xff")
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    try:
+        app = build_app(make_settings, engine, f"redis://127.0.0.1:{port}/0")
+        for _ in range(2):
+            response = post(app, GREEDY)
+            assert response.status_code == 200
+            assert response.headers["X-Cache"] == "bypass"
+    finally:
+        listener.close()
+
+
+# Single-flight ------------------------------------------------------------------------------
+
+
+def test_identical_requests_in_one_worker_cost_one_generation(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    body = {**GREEDY, "max_tokens": 16, "stream": True}
+    finished_before = engine.facts["requests_finished"]
+    replies = [None] * 4
+
+    def ask(index):
+        response = post(app, body)
+        replies[index] = (response.headers["X-Cache"], content_chunks(read_stream(response)))
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(status for status, _ in replies) == ["hit", "hit", "hit", "miss"]
+    assert all(chunks == replies[0][1] for _, chunks in replies)
+    assert engine.facts["requests_finished"] - finished_before == 1
+
+
+def test_follower_takes_over_from_a_cancelled_leader(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    body = {**GREEDY, "max_tokens": 16, "stream": True}
+    reference = reference_reply(app, body)
+    leader = post(app, body)
+    assert leader.headers["X-Cache"] == "miss"
+    leader_chunks = leader.iter_encoded()
+    received = ""
+    while not content_chunks(received):
+        received += next(leader_chunks).decode()
+    follower_reply = {}
+    follower_joined = threading.Event()
+
+    def follow():
+        response = post(app, body)
+        follower_joined.set()
+        follower_reply.update(status=response.headers["X-Cache"], chunks=content_chunks(read_stream(response)))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    assert follower_joined.wait(60)
+    leader.close()
+    follower.join(120)
+    assert follower_reply == {"status": "hit", "chunks": reference}
+    assert post(app, body).headers["X-Cache"] == "hit"
+
+
+def test_follower_takes_over_from_a_leader_that_died(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    body = {**GREEDY, "max_tokens": 16, "stream": True}
+    reference = reference_reply(app, body)
+    # What a leader that died after two pieces leaves behind: its lock, not renewed, and its stream.
+    store = app.extensions["corechat_cache"].store
+    digest = key_of(app, body)
+    assert store.acquire(lock_key(digest), "dead-leader", 0.5)
+    for piece in reference[:2]:
+        store.append(flight_key(digest, "dead-leader"), {"k": "piece", "text": piece})
+    response = post(app, body)
+    assert response.headers["X-Cache"] == "hit"
+    assert content_chunks(read_stream(response)) == reference
+    assert post(app, body).headers["X-Cache"] == "hit"

@@ -1,0 +1,118 @@
+"""Single-flight end to end: real Gunicorn workers (and a second "host") sharing a real Redis."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+from test_gunicorn import ready_facts, stream_lines
+
+from support import GunicornServer, RedisServer
+
+BODY = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 40, "temperature": 0,
+        "stream": True}
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory):
+    """Run one redis-server for the module's servers."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def start_server(log_dir, redis, workers: int) -> GunicornServer:
+    """Start corechat under Gunicorn on the tiny model with the cache on the shared Redis."""
+    from conftest import TINY_MODEL_DIR
+
+    return GunicornServer(
+        log_dir, workers=workers, model=TINY_MODEL_DIR, model_name="tiny", max_model_len=4096, warmup=False,
+        sse_ping_seconds=0.5, redis_url=redis.url, cache_lease_seconds=1.0,
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def two_workers(tiny_model_dir, shared_redis, tmp_path_factory):
+    """Run a 2-worker server using the shared Redis."""
+    server = start_server(tmp_path_factory.mktemp("gunicorn"), shared_redis, workers=2)
+    yield server
+    server.stop()
+
+
+def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | None = None) -> None:
+    """Stream a reply into `reply`: X-Cache, content chunks, first-content and end times."""
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=300) as response:
+        reply["status"] = response.headers["X-Cache"]
+        if joined:
+            joined.set()
+        reply["chunks"] = []
+        try:
+            for payload in stream_lines(response):
+                if payload == "[DONE]":
+                    reply["done_at"] = time.monotonic()
+                    break
+                content = payload["choices"][0]["delta"].get("content") if payload["choices"] else None
+                if content:
+                    reply.setdefault("first_content_at", time.monotonic())
+                    reply["chunks"].append(content)
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+            reply["broken"] = True  # the serving worker died
+
+
+def generations(server) -> int:
+    """Return the generations every worker of a server finished."""
+    return sum(facts["requests_finished"] for facts in ready_facts(server).values())
+
+
+def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_live(two_workers):
+    before = generations(two_workers)
+    replies = [{} for _ in range(4)]
+    threads = [threading.Thread(target=stream_reply, args=(two_workers.url, BODY, reply)) for reply in replies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert generations(two_workers) - before == 1
+    leader = next(reply for reply in replies if reply["status"] == "miss")
+    followers = [reply for reply in replies if reply is not leader]
+    assert [reply["status"] for reply in followers] == ["hit"] * 3
+    assert len(leader["chunks"]) > 1
+    assert all(reply["chunks"] == leader["chunks"] for reply in followers)
+    assert all(reply["first_content_at"] < leader["done_at"] for reply in followers)
+
+
+def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(
+    two_workers, shared_redis, tmp_path_factory
+):
+    other_host = start_server(tmp_path_factory.mktemp("other-host"), shared_redis, workers=1)
+    body = {**BODY, "max_tokens": 30}
+    try:
+        leader, follower = {}, {}
+        leader_joined, follower_joined = threading.Event(), threading.Event()
+        leader_thread = threading.Thread(target=stream_reply, args=(other_host.url, body, leader, leader_joined))
+        leader_thread.start()
+        assert leader_joined.wait(60)
+        follower_thread = threading.Thread(
+            target=stream_reply, args=(two_workers.url, body, follower, follower_joined)
+        )
+        follower_thread.start()
+        assert follower_joined.wait(60)
+        deadline = time.monotonic() + 60
+        while not follower.get("chunks") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker_pid,) = other_host.worker_pids()
+        os.kill(worker_pid, signal.SIGKILL)
+        follower_thread.join(300)
+        leader_thread.join(60)
+    finally:
+        other_host.stop()
+    assert (leader["status"], follower["status"]) == ("miss", "hit")
+    assert leader.get("broken") and "done_at" not in leader
+    reference = {}
+    stream_reply(two_workers.url, body, reference)
+    assert reference["status"] == "hit"
+    assert follower["chunks"] == reference["chunks"]
+    assert len(follower["chunks"]) > 1
+
