@@ -1,13 +1,14 @@
-"""corechat: an OpenAI-compatible chat server for CPUs, on Flask and Gunicorn."""
+"""corechat: an OpenAI-compatible chat server for CPUs, on Flask and Gunicorn.
+
+Only the standard library and the settings are imported at the top: gunicorn.conf.py imports
+service.settings in the master, which runs this file, and the master must never load torch. The
+factory imports the app's modules, as the workers call it after fork.
+"""
 
 import logging
 import time
 from dataclasses import dataclass, field
 
-from flask import Flask
-
-from . import api, errors
-from .cache import init_app as init_cache
 from .settings import Settings, get_settings
 
 
@@ -21,8 +22,13 @@ class Corechat:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def create_app(settings: Settings | None = None, *, engine=None, cache=None) -> Flask:
+def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
+    from flask import Flask
+
+    from . import api, errors
+    from .cache import init_app as init_cache
+
     settings = settings or get_settings()
     app = Flask(__name__)
     configure_logging(settings)
@@ -40,7 +46,7 @@ def configure_logging(settings: Settings) -> None:
     )
 
 
-def register_core(app: Flask, settings: Settings, engine) -> None:
+def register_core(app, settings: Settings, engine) -> None:
     """Attach the engine and the serving class to the app."""
     from .chat import ChatCompletions
     from .engine import Engine
