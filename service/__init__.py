@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from flask import Flask
 
-from . import api, errors
+from . import api, errors, metrics
 from .settings import Settings, get_settings
 
 
@@ -28,6 +28,7 @@ def create_app(settings: Settings | None = None, *, engine=None) -> Flask:
     register_core(app, settings, engine)
     errors.init_app(app)
     api.init_app(app)
+    metrics.init_app(app)
     return app
 
 

@@ -5,6 +5,7 @@ import os
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from .errors import InvalidRequest, NotFound
+from .metrics import observe
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -26,7 +27,7 @@ def create_chat_completion():
     chat = current_app.extensions["corechat"].chat
     chat_request = parse_chat_request(read_json_body())
     prepared = chat.prepare(chat_request)
-    generation = chat.start(prepared)
+    generation = observe(chat.start(prepared))
     if chat_request.stream:
         return Response(chat.stream(prepared, generation), mimetype="text/event-stream", headers=SSE_HEADERS)
     return jsonify(chat.complete(prepared, generation))

@@ -1,0 +1,245 @@
+"""Metrics: values after real traffic through real Gunicorn with 2 workers, read from /metrics."""
+
+import os
+import random
+import signal
+import string
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from test_gunicorn import ready_facts
+
+from service import metrics
+
+USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
+STREAMS = 4
+
+
+def scrape(server) -> dict[tuple, float]:
+    """Scrape /metrics once; return every sample keyed by (name, sorted labels)."""
+    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
+    assert response.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """Return one sample's value (0 when the series does not exist)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def pids_labelled(samples: dict, name: str) -> set[str]:
+    """Return the `pid` labels of a per-worker (liveall) gauge."""
+    return {dict(labels)["pid"] for sample_name, labels in samples if sample_name == name}
+
+
+def wait_for(server, condition, timeout: float = 30) -> dict:
+    """Scrape until condition(samples) holds; return those samples or fail with the last ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        if condition(samples) or time.monotonic() > deadline:
+            assert condition(samples), {key: val for key, val in samples.items() if "bucket" not in key[0]}
+            return samples
+        time.sleep(0.1)
+
+
+def chat(server, **body) -> requests.Response:
+    """Send one chat request on a fresh connection, so requests spread over the workers."""
+    return requests.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": USER, **body},
+        headers={"Connection": "close"},
+        timeout=60,
+    )
+
+
+class OpenStreams:
+    """Long streams the test opens and leaves unread, then drops as a client that goes away does."""
+
+    def __init__(self, server, count: int):
+        self.responses = [
+            requests.post(
+                f"{server.url}/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+                headers={"Connection": "close"},
+                stream=True,
+                timeout=60,
+            )
+            for _ in range(count)
+        ]
+        assert all(response.status_code == 200 for response in self.responses)
+
+    def close(self) -> None:
+        """Close every connection with its stream unread."""
+        for response in self.responses:
+            response.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
+    from support import GunicornServer
+
+    server = GunicornServer(
+        tmp_path_factory.mktemp("metrics"),
+        workers=2,
+        model=tiny_model_dir,
+        model_name="tiny",
+        max_model_len=4096,
+        max_running=1,
+        sse_ping_seconds=0.2,
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_token_counters_equal_the_usage_of_responses_across_both_workers(server):
+    before_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
+    before = scrape(server)
+    usages = [chat(server, max_tokens=random.randint(1, 12), seed=seed).json()["usage"] for seed in range(12)]
+    after = scrape(server)
+    after_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
+    assert all(after_finished[pid] > before_finished[pid] for pid in before_finished), "one worker served all"
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("corechat_prompt_tokens_total") == sum(usage["prompt_tokens"] for usage in usages)
+    assert delta("corechat_generation_tokens_total") == sum(usage["completion_tokens"] for usage in usages)
+    assert delta("corechat_requests_total", outcome="length") + delta("corechat_requests_total", outcome="stop") == 12
+    for histogram in ("time_to_first_token", "request_duration", "queue_wait", "prompt_processing"):
+        assert delta(f"corechat_{histogram}_seconds_count") == 12, histogram
+        assert delta(f"corechat_{histogram}_seconds_sum") > 0, histogram
+    assert value(after, "corechat_requests_running") == 0
+    assert value(after, "corechat_requests_waiting") == 0
+
+
+def test_requests_refused_before_generating_are_counted_by_error_code(server):
+    before = scrape(server)
+    assert chat(server, max_tokens="many").status_code == 400
+    assert chat(server, model="no-such-model").status_code == 404
+    after = scrape(server)
+    for outcome in ("invalid_request_error", "model_not_found"):
+        assert value(after, "corechat_requests_total", outcome=outcome) - value(
+            before, "corechat_requests_total", outcome=outcome
+        ) == 1, outcome
+
+
+def test_running_and_waiting_rise_during_streams_and_return_to_zero_after_disconnect(server):
+    before = scrape(server)
+    streams = OpenStreams(server, STREAMS)
+    try:
+        during = wait_for(
+            server,
+            lambda samples: value(samples, "corechat_requests_running")
+            + value(samples, "corechat_requests_waiting") == STREAMS,
+        )
+        # One sequence at a time per worker: at most 2 run, the rest wait.
+        assert 1 <= value(during, "corechat_requests_running") <= 2
+        assert value(during, "corechat_requests_waiting") >= 2
+    finally:
+        streams.close()
+    after = wait_for(
+        server,
+        lambda samples: value(samples, "corechat_requests_running") == 0
+        and value(samples, "corechat_requests_waiting") == 0,
+    )
+    cancelled = value(after, "corechat_requests_total", outcome="cancelled") - value(
+        before, "corechat_requests_total", outcome="cancelled"
+    )
+    assert cancelled == STREAMS
+
+
+def random_prompt() -> str:
+    """Return a prompt of random words, different every call."""
+    return " ".join("".join(random.choices(string.ascii_lowercase, k=random.randint(1, 9))) for _ in range(20))
+
+
+def test_series_stay_the_same_under_random_prompts(server):
+    assert chat(server, max_tokens=2).status_code == 200
+    before = set(scrape(server))
+    for _ in range(6):
+        body = {"messages": [{"role": "user", "content": random_prompt()}], "max_tokens": random.randint(1, 8)}
+        response = requests.post(
+            f"{server.url}/v1/chat/completions", json={**body, "stream": random.random() < 0.5}, timeout=60
+        )
+        assert response.status_code == 200
+    after = set(scrape(server))
+    assert after == before, {"new": after - before, "gone": before - after}
+
+
+def test_metrics_answer_while_every_worker_generates(server):
+    streams = OpenStreams(server, STREAMS)
+    latencies = []
+    try:
+        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        for _ in range(20):
+            began = time.monotonic()
+            scrape(server)
+            latencies.append(time.monotonic() - began)
+    finally:
+        streams.close()
+    # A liveness bound, not a speed claim: a scrape must not wait for generation to pause.
+    assert max(latencies) < 1.0, latencies
+
+
+def test_workers_report_ready_load_and_model_info(server):
+    samples = scrape(server)
+    worker_pids = {str(pid) for pid in server.worker_pids()}
+    assert value(samples, "corechat_workers_ready") == 2
+    assert pids_labelled(samples, "corechat_model_load_seconds") == worker_pids
+    assert pids_labelled(samples, "corechat_warmup_seconds") == worker_pids
+    assert all(val > 0 for (name, _), val in samples.items() if name == "corechat_model_load_seconds")
+    info = [dict(labels) for name, labels in samples if name == "corechat_model_info"]
+    assert len(info) == 1
+    assert info[0]["model"] == "tiny" and info[0]["workers"] == "2" and info[0]["dtype"] == "bfloat16"
+
+
+def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
+    """Runs last in this module: it replaces a worker."""
+    streams = OpenStreams(server, STREAMS)
+    try:
+        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        victim = next(pid for pid, facts in ready_facts(server).items() if facts["running"] == 1)
+        os.kill(victim, signal.SIGKILL)
+        server.wait_ready()
+    finally:
+        streams.close()
+    samples = wait_for(
+        server,
+        lambda samples: value(samples, "corechat_workers_ready") == 2
+        and value(samples, "corechat_requests_running") == 0
+        and value(samples, "corechat_requests_waiting") == 0,
+    )
+    worker_pids = {str(pid) for pid in server.worker_pids()}
+    assert str(victim) not in worker_pids
+    assert pids_labelled(samples, "corechat_model_load_seconds") == worker_pids
+
+
+def test_metrics_without_gunicorn_serve_this_process(client):
+    """Outside Gunicorn (no multiprocess folder) /metrics serves this process's own values."""
+    before = client.get("/metrics").get_data(as_text=True)
+    metrics.count_cache_lookup("hit")
+    metrics.count_singleflight_follower()
+    after = client.get("/metrics")
+    assert after.status_code == 200
+    assert after.mimetype == "text/plain"
+
+    def samples(text):
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    hits = ("corechat_cache_lookups_total", (("result", "hit"),))
+    followers = ("corechat_singleflight_followers_total", ())
+    assert samples(after.get_data(as_text=True))[hits] == samples(before)[hits] + 1
+    assert samples(after.get_data(as_text=True))[followers] == samples(before)[followers] + 1
