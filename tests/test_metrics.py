@@ -17,15 +17,20 @@ USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 STREAMS = 4
 
 
-def scrape(server) -> dict[tuple, float]:
-    """Scrape /metrics once; return every sample keyed by (name, sorted labels)."""
-    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
-    assert response.status_code == 200
+def parse_samples(text: str) -> dict[tuple, float]:
+    """Return every sample of a scrape keyed by (name, sorted labels)."""
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.text)
+        for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def scrape(server) -> dict[tuple, float]:
+    """Scrape a server's /metrics once and return its samples."""
+    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
+    assert response.status_code == 200
+    return parse_samples(response.text)
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -225,21 +230,14 @@ def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
 
 def test_metrics_without_gunicorn_serve_this_process(client):
     """Outside Gunicorn (no multiprocess folder) /metrics serves this process's own values."""
-    before = client.get("/metrics").get_data(as_text=True)
+    before = parse_samples(client.get("/metrics").get_data(as_text=True))
     metrics.count_cache_lookup("hit")
     metrics.count_singleflight_follower()
-    after = client.get("/metrics")
-    assert after.status_code == 200
-    assert after.mimetype == "text/plain"
-
-    def samples(text):
-        return {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
-
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.mimetype == "text/plain"
+    after = parse_samples(response.get_data(as_text=True))
     hits = ("corechat_cache_lookups_total", (("result", "hit"),))
+    assert after[hits] == before[hits] + 1
     followers = ("corechat_singleflight_followers_total", ())
-    assert samples(after.get_data(as_text=True))[hits] == samples(before)[hits] + 1
-    assert samples(after.get_data(as_text=True))[followers] == samples(before)[followers] + 1
+    assert after[followers] == before[followers] + 1
