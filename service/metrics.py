@@ -14,8 +14,15 @@ import time
 from pathlib import Path
 
 from flask import Blueprint, Response, current_app, g, request
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,11 @@ import random
 import signal
 import string
 import time
+from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.parser import text_string_to_metric_families
 from test_gunicorn import ready_facts
 
@@ -86,8 +88,29 @@ class OpenStreams:
             response.close()
 
 
+STALE_PID = 999999999
+
+
+def plant_stale_readiness(metrics_dir: Path) -> Path:
+    """Leave the file a worker of an earlier run would have left: 5 ready workers."""
+    stale = metrics_dir / f"gauge_livesum_{STALE_PID}.db"
+    values = MmapedDict(str(stale))
+    key = mmap_key("corechat_workers_ready", "corechat_workers_ready", [], [], "Workers ready.")
+    values.write_value(key, 5.0, 0.0)
+    values.close()
+    return stale
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def metrics_dir(tmp_path_factory) -> Path:
+    """Return the metrics folder of the module's server, holding a stale file of an earlier run."""
+    metrics_dir = tmp_path_factory.mktemp("multiproc")
+    plant_stale_readiness(metrics_dir)
+    return metrics_dir
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, metrics_dir):
     """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
     from support import GunicornServer
 
@@ -99,10 +122,18 @@ def server(tiny_model_dir, tmp_path_factory):
         max_model_len=4096,
         max_running=1,
         sse_ping_seconds=0.2,
+        prometheus_multiproc_dir=metrics_dir,
     )
     server.start()
     yield server
     server.stop()
+
+
+def test_master_empties_the_metrics_folder_of_an_earlier_run(server, metrics_dir):
+    assert not (metrics_dir / f"gauge_livesum_{STALE_PID}.db").exists()
+    worker_files = {path.name for path in metrics_dir.glob("gauge_livesum_*.db")}
+    assert worker_files == {f"gauge_livesum_{pid}.db" for pid in server.worker_pids()}
+    assert value(scrape(server), "corechat_workers_ready") == 2
 
 
 def test_token_counters_equal_the_usage_of_responses_across_both_workers(server):
