@@ -71,6 +71,8 @@ class ObservedGeneration:
                 # The reply had no text (an immediate EOS, or only held-back bytes): its first
                 # token reached the client with this final event.
                 metrics.time_to_first_token_seconds.observe(time.monotonic() - self.arrived_at)
+        # The engine's decode time over the gaps between tokens, once per request: exact, cheap,
+        # and blind to text held back for a stop string, which per-delta gaps would count.
         if finished.completion_tokens > 1:
             metrics.inter_token_latency_seconds.observe(finished.decode_seconds / (finished.completion_tokens - 1))
         metrics.generation_tokens_total.inc(finished.completion_tokens)

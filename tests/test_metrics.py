@@ -1,4 +1,5 @@
-"""Metrics: values after real traffic through real Gunicorn with 2 workers, read from /metrics."""
+"""Metrics: values after real traffic through real Gunicorn with 2 workers, read from /metrics, and
+the request wrapper checked in this process (where /metrics serves the process's own registry)."""
 
 import os
 import random
@@ -9,11 +10,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.parser import text_string_to_metric_families
 from test_gunicorn import ready_facts
 
 from service import metrics
+from service.engine import Finished, SamplingParams, TextDelta
+from service.observed import ObservedGeneration
 
 USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 STREAMS = 4
@@ -239,7 +243,7 @@ def test_workers_report_ready_load_and_model_info(server):
 
 
 def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
-    """Runs last in this module: it replaces a worker."""
+    """Runs after the other tests that use `server`: it replaces a worker."""
     streams = OpenStreams(server, STREAMS)
     try:
         wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
@@ -272,3 +276,63 @@ def test_metrics_without_gunicorn_serve_this_process(client):
     assert after[hits] == before[hits] + 1
     followers = ("corechat_singleflight_followers_total", ())
     assert after[followers] == before[followers] + 1
+
+
+def local_value(name: str, **labels) -> float:
+    """Return a sample of this process's own registry (0 when the series does not exist)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class ReplaySource:
+    """A finished reply played back without the engine, as a response cache serves a hit."""
+
+    def __init__(self, events):
+        self._events = list(events)
+
+    def next_event(self, timeout=None):
+        """Return the next recorded event."""
+        return self._events.pop(0)
+
+    def cancel(self) -> None:
+        """Nothing runs, so nothing to stop."""
+
+
+def test_replayed_reply_counts_as_a_request_in_the_fastest_buckets():
+    """A replay (what the response cache will serve) has no Started: it never waited or ran."""
+    fast_bucket = {"le": str(metrics.LATENCY_BUCKETS[0])}
+    before = {
+        "fast": local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket),
+        "stop": local_value("corechat_requests_total", outcome="stop"),
+        "queued": local_value("corechat_queue_wait_seconds_count"),
+        "generated": local_value("corechat_generation_tokens_total"),
+    }
+    replay = ObservedGeneration(
+        ReplaySource([TextDelta("Hello"), TextDelta(" there"), Finished("stop", 9, 2, 0.0, 0.0)]),
+        arrived_at=time.monotonic(),
+    )
+    for _ in range(3):
+        replay.next_event()
+    replay.cancel()
+    assert local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket) == before["fast"] + 1
+    assert local_value("corechat_requests_total", outcome="stop") == before["stop"] + 1
+    assert local_value("corechat_generation_tokens_total") == before["generated"] + 2
+    assert local_value("corechat_queue_wait_seconds_count") == before["queued"]
+    assert local_value("corechat_requests_waiting") == 0
+    assert local_value("corechat_requests_running") == 0
+
+
+def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled(engine):
+    cancelled = local_value("corechat_requests_total", outcome="cancelled")
+    prompt_ids = engine.encode(engine.render_prompt(USER))
+    observed = ObservedGeneration(
+        engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0)), arrived_at=time.monotonic()
+    )
+    assert local_value("corechat_requests_waiting") == 1
+    while not isinstance(observed.next_event(timeout=30), TextDelta):
+        pass
+    assert local_value("corechat_requests_running") == 1
+    assert local_value("corechat_requests_waiting") == 0
+    observed.cancel()
+    observed.cancel()  # the serving class cancels in `finally`, after a client already went away
+    assert local_value("corechat_requests_running") == 0
+    assert local_value("corechat_requests_total", outcome="cancelled") == cancelled + 1
