@@ -4,7 +4,19 @@ The master never imports torch or the app: each worker imports the app after for
 own engine in post_worker_init, so the master stays small and forks stay cheap.
 """
 
-from service.settings import get_settings
+import os
+import tempfile
+
+# prometheus_client decides when it is first imported whether metric values live in per-process
+# files in this folder (what lets any worker's /metrics report all of them), so it is set before
+# anything imports the service; workers inherit it through fork. The default is one folder per
+# master, stable across a config reload (SIGHUP), which re-reads this file in the same process.
+os.environ.setdefault(
+    "PROMETHEUS_MULTIPROC_DIR", os.path.join(tempfile.gettempdir(), f"corechat-metrics-{os.getpid()}")
+)
+os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
+from service.settings import get_settings  # noqa: E402 (after the metrics folder, see above)
 
 settings = get_settings()
 
@@ -27,6 +39,20 @@ keepalive = 5
 loglevel = settings.log_level
 accesslog = "-"
 errorlog = "-"
+
+
+def on_starting(server):
+    """Empty the metrics folder of a previous run, before any worker writes to it."""
+    from service.metrics import empty_multiproc_dir
+
+    empty_multiproc_dir(settings.prometheus_multiproc_dir)
+
+
+def child_exit(server, worker):
+    """Forget a dead worker's live gauges (requests running, ready), even after a SIGKILL."""
+    from service.metrics import forget_worker
+
+    forget_worker(worker.pid, settings.prometheus_multiproc_dir)
 
 
 def pre_fork(server, worker):

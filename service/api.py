@@ -6,6 +6,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from .cache import no_cache_requested
 from .errors import InvalidRequest, NotFound
+from .metrics import observe
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -33,6 +34,7 @@ def create_chat_completion():
         lambda: chat.start(prepared),
         opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
     )
+    source = observe(source)
     if chat_request.stream:
         response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
     else:

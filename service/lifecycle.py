@@ -3,6 +3,7 @@
 import logging
 import os
 
+from .metrics import report_when_ready
 from .settings import physical_core_groups
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def boot_worker(worker) -> None:
     torch.set_num_interop_threads(1)
     core.engine.facts.update(slot=slot, workers=settings.worker_count)
     core.engine.start()
+    report_when_ready(core.engine, settings)
 
 
 def stop_worker(worker) -> None:

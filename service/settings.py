@@ -130,6 +130,13 @@ class Settings(BaseSettings):
         60.0, gt=0, description="Log Redis failures at most once per this interval."
     )
 
+    # Metrics
+    prometheus_multiproc_dir: str = Field(
+        "", description="Folder where the workers share their metric values (prometheus_client's "
+        "multiprocess mode); emptied when Gunicorn starts. gunicorn.conf.py defaults it to a folder "
+        "per master under the temp dir; empty outside Gunicorn: /metrics serves this process alone."
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:

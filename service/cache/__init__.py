@@ -14,6 +14,7 @@ import time
 import uuid
 
 from ..engine import Failed, Finished, Started, TextDelta
+from .. import metrics
 from ..errors import APIError
 from .entries import (
     CachedReply,
@@ -146,6 +147,7 @@ class ResponseCache:
     @staticmethod
     def _lookup_result(result: str) -> str:
         """Settle a lookup's result (hit, miss, bypass or error) and return its X-Cache value."""
+        metrics.count_cache_lookup(result)
         return "bypass" if result == "error" else result
 
 
@@ -179,6 +181,7 @@ class Flight:
 
     def follower_source(self, upstream) -> EventSource:
         """Return the source of a request that follows another's generation (counted here, once)."""
+        metrics.count_singleflight_follower()
         return EventSource(self.relay(upstream))
 
     def cached_reply(self) -> CachedReply | None:

@@ -1,0 +1,339 @@
+"""Metrics: values after real traffic through real Gunicorn with 2 workers, read from /metrics, and
+the request wrapper checked in this process (where /metrics serves the process's own registry)."""
+
+import os
+import random
+import signal
+import string
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client import REGISTRY
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.parser import text_string_to_metric_families
+from test_gunicorn import ready_facts
+
+from service import metrics
+from service.engine import Finished, SamplingParams, TextDelta
+from service.observed import ObservedGeneration
+
+USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
+STREAMS = 4
+
+
+def parse_samples(text: str) -> dict[tuple, float]:
+    """Return every sample of a scrape keyed by (name, sorted labels)."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape(server) -> dict[tuple, float]:
+    """Scrape a server's /metrics once and return its samples."""
+    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
+    assert response.status_code == 200
+    return parse_samples(response.text)
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """Return one sample's value (0 when the series does not exist)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def pids_labelled(samples: dict, name: str) -> set[str]:
+    """Return the `pid` labels of a per-worker (liveall) gauge."""
+    return {dict(labels)["pid"] for sample_name, labels in samples if sample_name == name}
+
+
+def wait_for(server, condition, timeout: float = 30) -> dict:
+    """Scrape until condition(samples) holds; return those samples or fail with the last ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        if condition(samples) or time.monotonic() > deadline:
+            assert condition(samples), {key: val for key, val in samples.items() if "bucket" not in key[0]}
+            return samples
+        time.sleep(0.1)
+
+
+def chat(server, **body) -> requests.Response:
+    """Send one chat request on a fresh connection, so requests spread over the workers."""
+    return requests.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": USER, **body},
+        headers={"Connection": "close"},
+        timeout=60,
+    )
+
+
+class OpenStreams:
+    """Long streams the test opens and leaves unread, then drops as a client that goes away does."""
+
+    def __init__(self, server, count: int):
+        self.responses = [
+            requests.post(
+                f"{server.url}/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+                # Identical greedy streams would share one generation through the cache.
+                headers={"Connection": "close", "Cache-Control": "no-cache"},
+                stream=True,
+                timeout=60,
+            )
+            for _ in range(count)
+        ]
+        assert all(response.status_code == 200 for response in self.responses)
+
+    def close(self) -> None:
+        """Close every connection with its stream unread."""
+        for response in self.responses:
+            response.close()
+
+
+STALE_PID = 999999999
+
+
+def plant_stale_readiness(metrics_dir: Path) -> Path:
+    """Leave the file a worker of an earlier run would have left: 5 ready workers."""
+    stale = metrics_dir / f"gauge_livesum_{STALE_PID}.db"
+    values = MmapedDict(str(stale))
+    key = mmap_key("corechat_workers_ready", "corechat_workers_ready", [], [], "Workers ready.")
+    values.write_value(key, 5.0, 0.0)
+    values.close()
+    return stale
+
+
+@pytest.fixture(scope="module")
+def metrics_dir(tmp_path_factory) -> Path:
+    """Return the metrics folder of the module's server, holding a stale file of an earlier run."""
+    metrics_dir = tmp_path_factory.mktemp("multiproc")
+    plant_stale_readiness(metrics_dir)
+    return metrics_dir
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, metrics_dir):
+    """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
+    from support import GunicornServer
+
+    server = GunicornServer(
+        tmp_path_factory.mktemp("metrics"),
+        workers=2,
+        model=tiny_model_dir,
+        model_name="tiny",
+        max_model_len=4096,
+        max_running=1,
+        sse_ping_seconds=0.2,
+        prometheus_multiproc_dir=metrics_dir,
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_master_empties_the_metrics_folder_of_an_earlier_run(server, metrics_dir):
+    assert not (metrics_dir / f"gauge_livesum_{STALE_PID}.db").exists()
+    worker_files = {path.name for path in metrics_dir.glob("gauge_livesum_*.db")}
+    assert worker_files == {f"gauge_livesum_{pid}.db" for pid in server.worker_pids()}
+    assert value(scrape(server), "corechat_workers_ready") == 2
+
+
+def test_token_counters_equal_the_usage_of_responses_across_both_workers(server):
+    before_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
+    before = scrape(server)
+    usages = [chat(server, max_tokens=random.randint(1, 12), seed=seed).json()["usage"] for seed in range(12)]
+    after = scrape(server)
+    after_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
+    assert all(after_finished[pid] > before_finished[pid] for pid in before_finished), "one worker served all"
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("corechat_prompt_tokens_total") == sum(usage["prompt_tokens"] for usage in usages)
+    assert delta("corechat_generation_tokens_total") == sum(usage["completion_tokens"] for usage in usages)
+    assert delta("corechat_requests_total", outcome="length") + delta("corechat_requests_total", outcome="stop") == 12
+    for histogram in ("time_to_first_token", "request_duration", "queue_wait", "prompt_processing"):
+        assert delta(f"corechat_{histogram}_seconds_count") == 12, histogram
+        assert delta(f"corechat_{histogram}_seconds_sum") > 0, histogram
+    assert value(after, "corechat_requests_running") == 0
+    assert value(after, "corechat_requests_waiting") == 0
+
+
+def test_requests_refused_before_generating_are_counted_by_error_code(server):
+    before = scrape(server)
+    assert chat(server, max_tokens="many").status_code == 400
+    assert chat(server, model="no-such-model").status_code == 404
+    after = scrape(server)
+    for outcome in ("invalid_request_error", "model_not_found"):
+        assert value(after, "corechat_requests_total", outcome=outcome) - value(
+            before, "corechat_requests_total", outcome=outcome
+        ) == 1, outcome
+
+
+def test_running_and_waiting_rise_during_streams_and_return_to_zero_after_disconnect(server):
+    before = scrape(server)
+    streams = OpenStreams(server, STREAMS)
+    try:
+        during = wait_for(
+            server,
+            lambda samples: value(samples, "corechat_requests_running")
+            + value(samples, "corechat_requests_waiting") == STREAMS,
+        )
+        # One sequence at a time per worker: at most 2 run, the rest wait.
+        assert 1 <= value(during, "corechat_requests_running") <= 2
+        assert value(during, "corechat_requests_waiting") >= 2
+    finally:
+        streams.close()
+    after = wait_for(
+        server,
+        lambda samples: value(samples, "corechat_requests_running") == 0
+        and value(samples, "corechat_requests_waiting") == 0,
+    )
+    cancelled = value(after, "corechat_requests_total", outcome="cancelled") - value(
+        before, "corechat_requests_total", outcome="cancelled"
+    )
+    assert cancelled == STREAMS
+
+
+def random_prompt() -> str:
+    """Return a prompt of random words, different every call."""
+    return " ".join("".join(random.choices(string.ascii_lowercase, k=random.randint(1, 9))) for _ in range(20))
+
+
+def test_series_stay_the_same_under_random_prompts(server):
+    assert chat(server, max_tokens=2).status_code == 200
+    before = set(scrape(server))
+    for _ in range(6):
+        body = {"messages": [{"role": "user", "content": random_prompt()}], "max_tokens": random.randint(1, 8)}
+        response = requests.post(
+            f"{server.url}/v1/chat/completions", json={**body, "stream": random.random() < 0.5}, timeout=60
+        )
+        assert response.status_code == 200
+    after = set(scrape(server))
+    assert after == before, {"new": after - before, "gone": before - after}
+
+
+def test_metrics_answer_while_every_worker_generates(server):
+    streams = OpenStreams(server, STREAMS)
+    latencies = []
+    try:
+        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        for _ in range(20):
+            began = time.monotonic()
+            scrape(server)
+            latencies.append(time.monotonic() - began)
+    finally:
+        streams.close()
+    # A liveness bound, not a speed claim: a scrape must not wait for generation to pause.
+    assert max(latencies) < 1.0, latencies
+
+
+def test_workers_report_ready_load_and_model_info(server):
+    samples = scrape(server)
+    worker_pids = {str(pid) for pid in server.worker_pids()}
+    assert value(samples, "corechat_workers_ready") == 2
+    assert pids_labelled(samples, "corechat_model_load_seconds") == worker_pids
+    assert pids_labelled(samples, "corechat_warmup_seconds") == worker_pids
+    assert all(val > 0 for (name, _), val in samples.items() if name == "corechat_model_load_seconds")
+    info = [dict(labels) for name, labels in samples if name == "corechat_model_info"]
+    assert len(info) == 1
+    assert info[0]["model"] == "tiny" and info[0]["workers"] == "2" and info[0]["dtype"] == "bfloat16"
+
+
+def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
+    """Runs after the other tests that use `server`: it replaces a worker."""
+    streams = OpenStreams(server, STREAMS)
+    try:
+        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        victim = next(pid for pid, facts in ready_facts(server).items() if facts["running"] == 1)
+        os.kill(victim, signal.SIGKILL)
+        server.wait_ready()
+    finally:
+        streams.close()
+    samples = wait_for(
+        server,
+        lambda samples: value(samples, "corechat_workers_ready") == 2
+        and value(samples, "corechat_requests_running") == 0
+        and value(samples, "corechat_requests_waiting") == 0,
+    )
+    worker_pids = {str(pid) for pid in server.worker_pids()}
+    assert str(victim) not in worker_pids
+    assert pids_labelled(samples, "corechat_model_load_seconds") == worker_pids
+
+
+def test_metrics_without_gunicorn_serve_this_process(client):
+    """Outside Gunicorn (no multiprocess folder) /metrics serves this process's own values."""
+    before = parse_samples(client.get("/metrics").get_data(as_text=True))
+    metrics.count_cache_lookup("hit")
+    metrics.count_singleflight_follower()
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.mimetype == "text/plain"
+    after = parse_samples(response.get_data(as_text=True))
+    hits = ("corechat_cache_lookups_total", (("result", "hit"),))
+    assert after[hits] == before[hits] + 1
+    followers = ("corechat_singleflight_followers_total", ())
+    assert after[followers] == before[followers] + 1
+
+
+def local_value(name: str, **labels) -> float:
+    """Return a sample of this process's own registry (0 when the series does not exist)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class ReplaySource:
+    """A finished reply played back without the engine, as a response cache serves a hit."""
+
+    def __init__(self, events):
+        self._events = list(events)
+
+    def next_event(self, timeout=None):
+        """Return the next recorded event."""
+        return self._events.pop(0)
+
+    def cancel(self) -> None:
+        """Nothing runs, so nothing to stop."""
+
+
+def test_replayed_reply_counts_as_a_request_in_the_fastest_buckets():
+    """A replay (what the response cache will serve) has no Started: it never waited or ran."""
+    fast_bucket = {"le": str(metrics.LATENCY_BUCKETS[0])}
+    before = {
+        "fast": local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket),
+        "stop": local_value("corechat_requests_total", outcome="stop"),
+        "queued": local_value("corechat_queue_wait_seconds_count"),
+        "generated": local_value("corechat_generation_tokens_total"),
+    }
+    replay = ObservedGeneration(
+        ReplaySource([TextDelta("Hello"), TextDelta(" there"), Finished("stop", 9, 2, 0.0, 0.0)]),
+        arrived_at=time.monotonic(),
+    )
+    for _ in range(3):
+        replay.next_event()
+    replay.cancel()
+    assert local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket) == before["fast"] + 1
+    assert local_value("corechat_requests_total", outcome="stop") == before["stop"] + 1
+    assert local_value("corechat_generation_tokens_total") == before["generated"] + 2
+    assert local_value("corechat_queue_wait_seconds_count") == before["queued"]
+    assert local_value("corechat_requests_waiting") == 0
+    assert local_value("corechat_requests_running") == 0
+
+
+def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled(engine):
+    cancelled = local_value("corechat_requests_total", outcome="cancelled")
+    prompt_ids = engine.encode(engine.render_prompt(USER))
+    observed = ObservedGeneration(
+        engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0)), arrived_at=time.monotonic()
+    )
+    assert local_value("corechat_requests_waiting") == 1
+    while not isinstance(observed.next_event(timeout=30), TextDelta):
+        pass
+    assert local_value("corechat_requests_running") == 1
+    assert local_value("corechat_requests_waiting") == 0
+    observed.cancel()
+    observed.cancel()  # the serving class cancels in `finally`, after a client already went away
+    assert local_value("corechat_requests_running") == 0
+    assert local_value("corechat_requests_total", outcome="cancelled") == cancelled + 1
