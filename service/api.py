@@ -5,6 +5,7 @@ import os
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from .errors import InvalidRequest, NotFound
+from .limits import read_request_body
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -17,7 +18,7 @@ def read_json_body():
         error = InvalidRequest("the request body must be JSON sent with 'Content-Type: application/json'")
         error.status = 415
         raise error
-    return parse_json_body(request.get_data(cache=False))
+    return parse_json_body(read_request_body())
 
 
 @bp.post("/v1/chat/completions")
