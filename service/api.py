@@ -4,6 +4,7 @@ import os
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
 from .limits import read_request_body
 from .schemas import parse_chat_request, parse_json_body
@@ -30,7 +31,7 @@ def create_chat_completion():
     generation = chat.start(prepared)
     if chat_request.stream:
         return Response(chat.stream(prepared, generation), mimetype="text/event-stream", headers=SSE_HEADERS)
-    return jsonify(chat.complete(prepared, generation))
+    return jsonify(chat.complete(prepared, WatchedSource(generation, request.environ)))
 
 
 def _model_card() -> dict:
