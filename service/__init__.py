@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from flask import Flask
 
-from . import api, errors, limits
+from . import api, errors, limits, openapi
 from .settings import Settings, get_settings
 
 
@@ -29,6 +29,7 @@ def create_app(settings: Settings | None = None, *, engine=None) -> Flask:
     errors.init_app(app)
     limits.init_app(app)
     api.init_app(app)
+    openapi.init_app(app)
     return app
 
 
