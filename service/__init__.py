@@ -26,7 +26,7 @@ def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
     from flask import Flask
 
-    from . import api, errors, metrics
+    from . import api, errors, limits, metrics, openapi
     from .cache import init_app as init_cache
 
     settings = settings or get_settings()
@@ -35,8 +35,10 @@ def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     register_core(app, settings, engine)
     init_cache(app, cache)
     errors.init_app(app)
+    limits.init_app(app)
     api.init_app(app)
     metrics.init_app(app)
+    openapi.init_app(app)
     return app
 
 

@@ -5,7 +5,9 @@ import os
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from .cache import no_cache_requested
+from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
+from .limits import read_request_body
 from .metrics import observe
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
@@ -19,7 +21,7 @@ def read_json_body():
         error = InvalidRequest("the request body must be JSON sent with 'Content-Type: application/json'")
         error.status = 415
         raise error
-    return parse_json_body(request.get_data(cache=False))
+    return parse_json_body(read_request_body())
 
 
 @bp.post("/v1/chat/completions")
@@ -38,7 +40,7 @@ def create_chat_completion():
     if chat_request.stream:
         response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
     else:
-        response = jsonify(chat.complete(prepared, source))
+        response = jsonify(chat.complete(prepared, WatchedSource(source, request.environ)))
     response.headers["X-Cache"] = cache_status
     return response
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .engine import EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
 from .errors import ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
+from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
 
@@ -51,8 +52,11 @@ class ChatCompletions:
                 param="model",
                 code="model_not_found",
             )
+        check_message_count(len(request.messages), self.settings)
         prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        check_prompt_text(prompt)
         prompt_ids = self.engine.encode(prompt)
+        check_prompt_tokens(len(prompt_ids), self.settings)
         return PreparedChat(
             request=request,
             prompt=prompt,

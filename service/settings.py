@@ -137,6 +137,15 @@ class Settings(BaseSettings):
         "per master under the temp dir; empty outside Gunicorn: /metrics serves this process alone."
     )
 
+    # Limits
+    max_request_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Largest request body in bytes, chunked or not; a larger one gets a 413."
+    )
+    max_messages: int = Field(256, ge=1, description="Most messages one chat request may carry.")
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="Most prompt tokens one request may send; 0 means only the context window limits it."
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:

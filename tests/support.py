@@ -46,7 +46,8 @@ class GunicornServer:
         """Start Gunicorn and wait until every worker reports ready."""
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+            # No control socket: every test master would otherwise share ~/.gunicorn/gunicorn.ctl.
+            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--no-control-socket"],
             cwd=REPO,
             env=self.env,
             stdout=self._log,

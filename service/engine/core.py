@@ -273,6 +273,7 @@ class Engine:
         """Admit queued requests and advance every running sequence by one token per round."""
         active: list[_Sequence] = []
         while not self._stopping.is_set():
+            self._drop_cancelled_waiting()
             self._admit(active)
             for sequence in list(active):
                 if not self._step(sequence):
@@ -280,6 +281,17 @@ class Engine:
             self._running = len(active)
         for sequence in active:
             self._finish(sequence, "cancelled")
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Take generations whose client left out of the queue at once, so their places free up."""
+        with self._pending.mutex:
+            cancelled = [generation for generation in self._pending.queue if generation.cancelled]
+            for generation in cancelled:
+                self._pending.queue.remove(generation)
+            if cancelled:
+                self._pending.not_full.notify(len(cancelled))
+        for generation in cancelled:
+            generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
 
     def _admit(self, active: list[_Sequence]) -> None:
         """Move queued requests into the running set, blocking briefly when there is nothing to do."""

@@ -1,0 +1,222 @@
+"""The published contract: an OpenAPI 3.1 document of every route, served at /openapi.json.
+
+The request body's schema is generated from the pydantic model that parses it (service/schemas.py),
+so the contract cannot drift from the parser; the responses, built by hand in service/chat.py and
+service/api.py, are described here.
+"""
+
+from functools import lru_cache
+
+from flask import Blueprint, jsonify
+
+from .schemas import ChatCompletionRequest
+
+bp = Blueprint("openapi", __name__)
+
+REF = "#/components/schemas/{model}"
+NULLABLE_STRING = {"type": ["string", "null"]}
+USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+FINISH_REASON = {"enum": ["stop", "length", "cancelled"]}
+COMPLETION_ID = {"type": "string", "pattern": "^chatcmpl-"}
+
+RESPONSE_SCHEMAS = {
+    "Error": {
+        "type": "object",
+        "description": "OpenAI's error object; every non-2xx JSON response has this shape.",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "additionalProperties": False,
+                "properties": {
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"enum": ["invalid_request_error", "authentication_error", "server_error"]},
+                    "param": NULLABLE_STRING,
+                    "code": NULLABLE_STRING,
+                },
+            }
+        },
+    },
+    "Usage": USAGE,
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": COMPLETION_ID,
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "system_fingerprint": NULLABLE_STRING,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "finish_reason"],
+                    "properties": {
+                        "index": {"const": 0},
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        },
+                        "logprobs": {"type": "null"},
+                        "finish_reason": FINISH_REASON,
+                    },
+                },
+            },
+            "usage": {"$ref": REF.format(model="Usage")},
+        },
+    },
+    "ChatCompletionChunk": {
+        "type": "object",
+        "description": "One `data:` event of a stream. The stream ends with `data: [DONE]`; `: ping` comments "
+        "keep it alive while waiting. An error after the first event arrives as an Error object event.",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": COMPLETION_ID,
+            "object": {"const": "chat.completion.chunk"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "system_fingerprint": NULLABLE_STRING,
+            "choices": {
+                "type": "array",
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "delta", "finish_reason"],
+                    "properties": {
+                        "index": {"const": 0},
+                        "delta": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        },
+                        "logprobs": {"type": "null"},
+                        "finish_reason": {"anyOf": [FINISH_REASON, {"type": "null"}]},
+                    },
+                },
+            },
+            "usage": {"anyOf": [{"$ref": REF.format(model="Usage")}, {"type": "null"}]},
+        },
+    },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": REF.format(model="Model")}}},
+    },
+    "Health": {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}},
+    "Readiness": {
+        "type": "object",
+        "description": "This worker's state; more facts (load and warm-up seconds, threads, ...) may appear.",
+        "required": ["status", "model", "worker_pid", "running", "waiting"],
+        "properties": {
+            "status": {"type": "string"},
+            "model": {"type": "string"},
+            "worker_pid": {"type": "integer"},
+            "running": {"type": "integer", "minimum": 0},
+            "waiting": {"type": "integer", "minimum": 0},
+        },
+    },
+}
+
+
+def _json(schema_name: str, description: str) -> dict:
+    """Describe a JSON response by its schema's name."""
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": REF.format(model=schema_name)}}}}
+
+
+ERROR = _json("Error", "An error in OpenAI's shape (400, 404, 405, 413, 415, 503 with Retry-After, 500).")
+
+
+def _get(summary: str, ok: dict) -> dict:
+    """Describe a GET operation."""
+    return {"get": {"summary": summary, "responses": {"200": ok, "default": ERROR}}}
+
+
+def _paths() -> dict:
+    """Describe every route."""
+    chat_ok = {
+        "description": "The whole reply, or with `stream: true` a Server-Sent Events stream of "
+        "ChatCompletionChunk `data:` events ending with `data: [DONE]`.",
+        "content": {
+            "application/json": {"schema": {"$ref": REF.format(model="ChatCompletion")}},
+            "text/event-stream": {"schema": {"type": "string"}, "x-event-schema": {"$ref": REF.format(model="ChatCompletionChunk")}},
+        },
+    }
+    return {
+        "/v1/chat/completions": {
+            "post": {
+                "summary": "Generate a chat completion, streamed or whole.",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": REF.format(model="ChatCompletionRequest")}}},
+                },
+                "responses": {"200": chat_ok, "default": ERROR},
+            }
+        },
+        "/v1/models": _get("List the served model.", _json("ModelList", "The one served model.")),
+        "/v1/models/{model_id}": {
+            **_get("Describe the served model; any other id is a 404.", _json("Model", "The served model.")),
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        },
+        "/healthz": _get("Liveness: answers while the process is alive.", _json("Health", "Alive.")),
+        "/readyz": {
+            "get": {
+                "summary": "Readiness: 200 once this worker's model is loaded and warmed up.",
+                "responses": {
+                    "200": _json("Readiness", "Ready."),
+                    "503": _json("Readiness", "Still loading, or failed to load."),
+                },
+            }
+        },
+        "/metrics": _get(
+            "Prometheus metrics of every worker.",
+            {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        ),
+        "/": _get("The chat page.", {"description": "An HTML page.", "content": {"text/html": {"schema": {"type": "string"}}}}),
+        "/openapi.json": _get(
+            "This document.", {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}
+        ),
+    }
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict:
+    """Build the OpenAPI document (once per process)."""
+    request_schema = ChatCompletionRequest.model_json_schema(ref_template=REF)
+    schemas = {**request_schema.pop("$defs", {}), "ChatCompletionRequest": request_schema, **RESPONSE_SCHEMAS}
+    return {
+        "openapi": "3.1.0",
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "info": {"title": "corechat", "version": "1", "description": "An OpenAI-compatible chat server for CPUs."},
+        "paths": _paths(),
+        "components": {"schemas": schemas},
+    }
+
+
+@bp.get("/openapi.json")
+def get_openapi_document():
+    """Serve the OpenAPI document."""
+    return jsonify(openapi_document())
+
+
+def init_app(app) -> None:
+    """Register the route of the document."""
+    app.register_blueprint(bp)

@@ -1,0 +1,48 @@
+"""Check real responses against the published OpenAPI document (service/openapi.py)."""
+
+import json
+
+from jsonschema import Draft202012Validator
+
+from service.openapi import openapi_document
+
+
+def schema_validator(name: str) -> Draft202012Validator:
+    """Return a validator of one component schema, resolving its references in the document."""
+    document = openapi_document()
+    return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": document["components"]})
+
+
+def response_schema(path: str, method: str, status: int, media_type: str) -> dict:
+    """Return the documented schema of a response (falling back to the `default` response)."""
+    responses = openapi_document()["paths"][path][method]["responses"]
+    documented = responses.get(str(status)) or responses["default"]
+    return documented["content"][media_type]
+
+
+def sse_payloads(text: str) -> list:
+    """Return the data payloads of an SSE body, the final [DONE] as a string; fail on a stray line."""
+    payloads = []
+    for event in text.strip().split("\n\n"):
+        if event.startswith(":"):
+            continue
+        assert event.startswith("data: "), event
+        raw = event[len("data: ") :]
+        payloads.append(raw if raw == "[DONE]" else json.loads(raw))
+    return payloads
+
+
+def assert_matches_contract(path: str, method: str, status: int, content_type: str, body: bytes) -> None:
+    """Fail unless a response's status, media type and body are what the document says."""
+    media_type = content_type.split(";")[0].strip()
+    content = response_schema(path, method, status, media_type)
+    if media_type == "text/event-stream":
+        payloads = sse_payloads(body.decode())
+        assert payloads[-1] == "[DONE]"
+        chunk, error = schema_validator("ChatCompletionChunk"), schema_validator("Error")
+        for payload in payloads[:-1]:
+            assert chunk.is_valid(payload) or error.is_valid(payload), payload
+    elif media_type == "application/json":
+        document = openapi_document()
+        validator = Draft202012Validator({**content["schema"], "components": document["components"]})
+        validator.validate(json.loads(body))
