@@ -98,6 +98,13 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level of the service and Gunicorn.")
 
+    # Performance
+    prefix_cache_mb: int = Field(
+        256, ge=0, description="Memory per worker for the KV state of recent prompts, reused when a new "
+        "prompt starts with one of them (a shared system prompt, a conversation's earlier turns); 0 turns "
+        "prefix reuse off.",
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:
