@@ -1,5 +1,6 @@
 """Prefix reuse and batched decoding change how fast the engine is, never what it generates."""
 
+import os
 import threading
 
 import pytest
@@ -30,7 +31,7 @@ def prompt_of(engine: Engine, question: str) -> list[int]:
 
 def started_engine(make_settings, **overrides) -> Engine:
     """Start a float32 engine on the tiny model (float32: exact comparisons do not hinge on bf16 rounding)."""
-    engine = Engine(make_settings(dtype="float32", max_model_len=1024, **overrides))
+    engine = Engine(make_settings(**{"dtype": "float32", "max_model_len": 1024, **overrides}))
     engine.start()
     assert engine.wait_ready(120), engine.facts
     return engine
@@ -91,3 +92,24 @@ def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_e
         thread.join(120)
     assert together == alone
     assert fast_engine.facts["largest_batch"] >= 2
+
+
+def test_int8_weights_are_converted_once_into_a_shared_file_and_generate(make_settings, tmp_path):
+    """DTYPE=int8 writes its converted file once, later engines map it again, and generation works."""
+    from service.engine.int8 import Int8Linear
+
+    first = started_engine(make_settings, dtype="int8", converted_weights_dir=str(tmp_path))
+    converted = first.facts["int8_weights"]
+    written_at = os.stat(converted).st_mtime_ns
+    first.stop()
+    engine = Engine(make_settings(dtype="int8", converted_weights_dir=str(tmp_path), max_model_len=1024))
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    try:
+        assert engine.facts["int8_weights"] == converted
+        assert os.stat(converted).st_mtime_ns == written_at
+        assert isinstance(engine.model.lm_head, Int8Linear)
+        text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
+        assert finished.completion_tokens == 12 and finished.finish_reason == "length"
+    finally:
+        engine.stop()

@@ -5,6 +5,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -17,13 +18,15 @@ from .loading import (
     resolve_model_dir,
 )
 from .batching import DecodeBatch
+from .int8 import apply_int8
 from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# int8 keeps bf16 for everything but the Linear weights (see int8.py).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
 WARMUP_TOKENS = 8
 IDLE_POLL_SECONDS = 0.5
@@ -213,6 +216,9 @@ class Engine:
         self.model = load_model(self.model_dir, dtype)
         self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         self.fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        if self.settings.dtype == "int8":
+            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir), self.fingerprint)
+            self.facts["int8_weights"] = str(converted)
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(
