@@ -151,6 +151,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = 0
         self._prefixes: PrefixStore | None = None
+        self._decode_seconds = 0.0
+        self._forward_seconds = 0.0
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -372,6 +374,7 @@ class Engine:
         if not active:
             return
         self.facts["largest_batch"] = max(self.facts.get("largest_batch", 0), len(active))
+        began = time.perf_counter()
         try:
             with torch.inference_mode():
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
@@ -381,8 +384,16 @@ class Engine:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self._leave(active, batch, list(range(len(active))))
             return
+        forward_done = time.perf_counter()
         ended = [row for row, sequence in enumerate(active) if not self._advance(sequence, logits[row])]
         self._leave(active, batch, ended)
+        self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
+
+    def _count_decode_overhead(self, forward_seconds: float, step_seconds: float) -> None:
+        """Record the share of decode time spent outside the model's forward (sampling, text, batch upkeep)."""
+        self._decode_seconds += step_seconds
+        self._forward_seconds += forward_seconds
+        self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
 
     @staticmethod
     def _leave(active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
