@@ -8,7 +8,7 @@ DEMO_PRESET ?= qwen2.5-0.5b
 SYSTEM_PACKAGES := redis-server prometheus nginx chromium chromium-driver
 APT_MARKER := $(VENV)/.apt-$(shell echo $(SYSTEM_PACKAGES) | md5sum | cut -c1-8)
 
-.PHONY: setup system-deps serve demo-model test bench clean
+.PHONY: setup system-deps serve demo-model test bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ serve: demo-model
 
 test: setup system-deps
 	$(PY) -m pytest -q
+
+# The benchmark (minutes; builds the 0.5B dev model once under ~/.cache/corechat); see README, Performance.
+bench: setup system-deps
+	$(PY) bench/run.py
+
+# Every benchmark scenario on the tiny model with few repetitions: keeps the benchmark working in CI.
+bench-quick: setup system-deps
+	$(PY) bench/run.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache

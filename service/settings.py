@@ -52,7 +52,10 @@ class Settings(BaseSettings):
     model_name: str = Field(
         "", description="Name served in `/v1/models` and responses; defaults to the folder name or hub id."
     )
-    dtype: str = Field("bfloat16", description="Weight and compute dtype: bfloat16 or float32.")
+    dtype: str = Field(
+        "bfloat16", description="Weight format: bfloat16, float32, or int8 (Linear weights as int8 with "
+        "row scales, converted once into a file beside the model that workers share; the rest bfloat16)."
+    )
     max_model_len: int = Field(
         0, ge=0, description="Context window in tokens; 0 takes the model's max_position_embeddings."
     )
@@ -146,12 +149,23 @@ class Settings(BaseSettings):
         0, ge=0, description="Most prompt tokens one request may send; 0 means only the context window limits it."
     )
 
+    # Performance
+    prefix_cache_mb: int = Field(
+        256, ge=0, description="Memory per worker for the KV state of recent prompts, reused when a new "
+        "prompt starts with one of them (a shared system prompt, a conversation's earlier turns); 0 turns "
+        "prefix reuse off.",
+    )
+    converted_weights_dir: str = Field(
+        str(Path.home() / ".cache" / "corechat" / "converted"),
+        description="Where DTYPE=int8 writes its converted weights when the model folder is read-only.",
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:
         """Accept only dtypes the engine knows."""
-        if value not in ("bfloat16", "float32"):
-            raise ValueError("dtype must be bfloat16 or float32")
+        if value not in ("bfloat16", "float32", "int8"):
+            raise ValueError("dtype must be bfloat16, float32 or int8")
         return value
 
     @property

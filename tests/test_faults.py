@@ -69,9 +69,10 @@ class RawStream:
     def __init__(self, server, body: dict):
         payload = json.dumps(body).encode()
         self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        # no-cache: identical greedy requests would otherwise share one generation through the cache.
         self.sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+            b"Cache-Control: no-cache\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
         )
         self.received = b""
 

@@ -5,6 +5,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -16,12 +17,16 @@ from .loading import (
     model_fingerprint,
     resolve_model_dir,
 )
+from .batching import DecodeBatch
+from .int8 import apply_int8
+from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# int8 keeps bf16 for everything but the Linear weights (see int8.py).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
 WARMUP_TOKENS = 8
 IDLE_POLL_SECONDS = 0.5
@@ -58,6 +63,7 @@ class Finished:
     completion_tokens: int
     prompt_seconds: float
     decode_seconds: float
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class _Sequence:
     started_at: float
     next_input: list[int]
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
     deadline: float | None = field(default=None)
@@ -143,6 +150,9 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._running = 0
+        self._prefixes: PrefixStore | None = None
+        self._decode_seconds = 0.0
+        self._forward_seconds = 0.0
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -206,7 +216,11 @@ class Engine:
         began = time.monotonic()
         dtype = DTYPES[self.settings.dtype]
         self.model = load_model(self.model_dir, dtype)
+        self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         self.fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        if self.settings.dtype == "int8":
+            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir), self.fingerprint)
+            self.facts["int8_weights"] = str(converted)
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(
@@ -224,9 +238,7 @@ class Engine:
         began = time.monotonic()
         prompt_ids = self.encode(self.render_prompt(WARMUP_MESSAGES))
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
-        sequence = self._begin(generation)
-        while self._step(sequence):
-            pass
+        self._decode_until_done([self._begin(generation)])
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
         log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
 
@@ -270,14 +282,13 @@ class Engine:
         return generation
 
     def _serve(self) -> None:
-        """Admit queued requests and advance every running sequence by one token per round."""
+        """Admit queued requests, then advance every running sequence by one token per step."""
         active: list[_Sequence] = []
+        batch = DecodeBatch(self.model.config)
         while not self._stopping.is_set():
             self._drop_cancelled_waiting()
-            self._admit(active)
-            for sequence in list(active):
-                if not self._step(sequence):
-                    active.remove(sequence)
+            self._admit(active, batch)
+            self._decode_step(active, batch)
             self._running = len(active)
         for sequence in active:
             self._finish(sequence, "cancelled")
@@ -293,38 +304,57 @@ class Engine:
         for generation in cancelled:
             generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
 
-    def _admit(self, active: list[_Sequence]) -> None:
-        """Move queued requests into the running set, blocking briefly when there is nothing to do."""
-        while len(active) < self.settings.max_running:
+    def _decode_until_done(self, sequences: list["_Sequence"]) -> None:
+        """Run sequences to their end without admitting others (the warm-up)."""
+        batch = DecodeBatch(self.model.config)
+        active = [sequence for sequence in sequences if self._prefill(sequence)]
+        if active:
+            batch.join([sequence.cache for sequence in active])
+        while active:
+            self._decode_step(active, batch)
+
+    def _admit(self, active: list[_Sequence], batch: DecodeBatch) -> None:
+        """Run the prompt pass of queued requests and add them to the batch, blocking briefly when idle."""
+        joining = []
+        while len(active) + len(joining) < self.settings.max_running:
+            idle = not active and not joining
             try:
-                generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if not active else self._pending.get_nowait()
+                generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if idle else self._pending.get_nowait()
             except queue.Empty:
-                return
+                break
             if generation.cancelled:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             generation.send(Started(time.monotonic() - generation.submitted_at))
-            active.append(self._begin(generation))
-            self._running = len(active)
+            sequence = self._begin(generation)
+            if self._prefill(sequence):
+                joining.append(sequence)
+            self._running = len(active) + len(joining)
+        if joining:
+            batch.join([sequence.cache for sequence in joining])
+            active.extend(joining)
+            for sequence in joining:
+                sequence.cache = None  # the batch holds its KV state now
 
     def _begin(self, generation: Generation) -> _Sequence:
-        """Create the engine state of a generation."""
+        """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
         now = time.monotonic()
         deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
+        cache, cached = self._prefixes.lookup(generation.prompt_ids)
         return _Sequence(
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size),
             text=TextAssembler(self.tokenizer, generation.params.stop),
-            cache=DynamicCache(config=self.model.config),
+            cache=cache if cache is not None else DynamicCache(config=self.model.config),
             started_at=now,
-            next_input=generation.prompt_ids,
+            next_input=generation.prompt_ids[cached:],
+            cached_prompt_tokens=cached,
             deadline=now + deadline_seconds,
         )
 
-    def _step(self, sequence: _Sequence) -> bool:
-        """Generate one token of a sequence; return whether it goes on."""
-        generation = sequence.generation
-        if generation.cancelled:
+    def _prefill(self, sequence: _Sequence) -> bool:
+        """Process the prompt (past its stored prefix) and take the first token; return whether it goes on."""
+        if sequence.generation.cancelled:
             self._finish(sequence, "cancelled")
             return False
         try:
@@ -336,14 +366,60 @@ class Engine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-            token_id = sequence.sampler.next_token(output.logits[0, -1])
-            if sequence.first_token_at is None:
-                sequence.first_token_at = time.monotonic()
-                sequence.prompt_seconds = sequence.first_token_at - began
-        except Exception as exc:  # one bad sequence must not stop the others
-            log.exception("generation failed")
-            generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+                self._prefixes.store(sequence.generation.prompt_ids, sequence.cache)
+            sequence.prompt_seconds = time.monotonic() - began
+            self.facts["prefix_cache_bytes"] = self._prefixes.bytes
+            if sequence.cached_prompt_tokens:
+                self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
+            return self._advance(sequence, output.logits[0, -1])
+        except Exception as exc:  # one bad prompt must not stop the others
+            log.exception("prompt pass failed")
+            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             return False
+
+    def _decode_step(self, active: list[_Sequence], batch: DecodeBatch) -> None:
+        """Generate one token for every running sequence in one forward pass; drop those that end."""
+        cancelled = [row for row, sequence in enumerate(active) if sequence.generation.cancelled]
+        for row in cancelled:
+            self._finish(active[row], "cancelled")
+        self._leave(active, batch, cancelled)
+        if not active:
+            return
+        self.facts["largest_batch"] = max(self.facts.get("largest_batch", 0), len(active))
+        began = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
+        except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
+            log.exception("decode step failed")
+            for sequence in active:
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            self._leave(active, batch, list(range(len(active))))
+            return
+        forward_done = time.perf_counter()
+        ended = [row for row, sequence in enumerate(active) if not self._advance(sequence, logits[row])]
+        self._leave(active, batch, ended)
+        self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
+
+    def _count_decode_overhead(self, forward_seconds: float, step_seconds: float) -> None:
+        """Record the share of decode time spent outside the model's forward (sampling, text, batch upkeep)."""
+        self._decode_seconds += step_seconds
+        self._forward_seconds += forward_seconds
+        self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
+
+    @staticmethod
+    def _leave(active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
+        """Remove ended sequences from the running list and the batch."""
+        if rows:
+            batch.leave(rows)
+            active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+
+    def _advance(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
+        """Take a sequence's next token from its logits and deliver its text; return whether it goes on."""
+        generation = sequence.generation
+        token_id = sequence.sampler.next_token(logits)
+        if sequence.first_token_at is None:
+            sequence.first_token_at = time.monotonic()
         sequence.sampler.record(token_id)
         sequence.completion_tokens += 1
         sequence.next_input = [token_id]
@@ -375,5 +451,6 @@ class Engine:
                 completion_tokens=sequence.completion_tokens,
                 prompt_seconds=sequence.prompt_seconds,
                 decode_seconds=decode_seconds,
+                cached_prompt_tokens=sequence.cached_prompt_tokens,
             )
         )

@@ -1,0 +1,1 @@
+"""corechat's benchmark: `python bench/run.py` (see README, Performance)."""

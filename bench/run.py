@@ -1,0 +1,488 @@
+"""Benchmark corechat against plain transformers and against this machine's memory bandwidth.
+
+    python bench/run.py            # the full run on the Qwen2.5-0.5B-shaped dev model (minutes)
+    python bench/run.py --quick    # every scenario on the tiny model, for CI (asserts nothing)
+
+corechat runs as users run it: real Gunicorn from gunicorn.conf.py configured by the environment,
+real HTTP, SSE parsed here, and Redis on. Results go to bench/results/<name>.json and .md.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from support import GunicornServer, RedisServer  # noqa: E402  (the tests' real-server helpers)
+
+from service.settings import physical_cores  # noqa: E402
+
+CACHE_DIR = Path.home() / ".cache" / "corechat"
+SHORT_PROMPT = "Explain in two sentences why the sky is blue."
+SYSTEM_PROMPT_SENTENCE = "You are a careful assistant for the corechat benchmark; answer briefly and precisely. "
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How big the run is: the full benchmark or the quick CI pass."""
+
+    model_dir: Path
+    preset: str
+    max_tokens: int
+    repetitions: int
+    stream_counts: tuple[int, ...]
+    system_prompt_tokens: int
+    bandwidth_megabytes: int
+    matrix_repetitions: int
+
+
+FULL = dict(preset="qwen2.5-0.5b", max_tokens=64, repetitions=7, stream_counts=(1, 2, 4, 5, 8),
+            system_prompt_tokens=512, bandwidth_megabytes=1024, matrix_repetitions=3)
+QUICK = dict(preset="tiny", max_tokens=8, repetitions=2, stream_counts=(1, 2, 4, 5, 8),
+             system_prompt_tokens=512, bandwidth_megabytes=64, matrix_repetitions=1)
+
+
+def progress(message: str) -> None:
+    """Tell the person waiting what the benchmark is doing now."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Return the nearest-rank percentile of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+
+
+# The client ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    """What the client saw of one streamed chat completion."""
+
+    status: int = 0
+    first_byte_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    total_seconds: float = 0.0
+    completion_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    x_cache: str = ""
+    error: str = ""
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Return tokens after the first per second after the first."""
+        decode_seconds = self.total_seconds - self.first_token_seconds
+        return (self.completion_tokens - 1) / decode_seconds if self.completion_tokens > 1 and decode_seconds > 0 else 0.0
+
+
+def stream_chat(base_url: str, messages: list[dict], max_tokens: int, timeout: float = 600) -> StreamResult:
+    """Send one streamed, greedy chat completion and time it from the client's side."""
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    result = StreamResult()
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    began = time.perf_counter()
+    try:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        result.status = response.status
+        result.x_cache = response.getheader("X-Cache", "")
+        if response.status != 200:
+            result.error = response.read().decode(errors="replace")[:300]
+            return result
+        last_token_at = None
+        while line := response.readline():
+            now = time.perf_counter() - began
+            if not result.first_byte_seconds:
+                result.first_byte_seconds = now
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = chunk["error"].get("message", "error")
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+            if any(choice["delta"].get("content") for choice in chunk.get("choices", [])):
+                if last_token_at is None:
+                    result.first_token_seconds = now
+                else:
+                    result.gaps.append(now - last_token_at)
+                last_token_at = now
+        result.total_seconds = (last_token_at or time.perf_counter() - began)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        connection.close()
+    return result
+
+
+def concurrent_streams(base_url: str, message_lists: list[list[dict]], max_tokens: int) -> tuple[list[StreamResult], float]:
+    """Run one stream per message list at once; return the results and the wall time of all."""
+    results: list[StreamResult | None] = [None] * len(message_lists)
+
+    def run(index: int) -> None:
+        results[index] = stream_chat(base_url, message_lists[index], max_tokens)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(message_lists))]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - began
+
+
+def short_chat(tag: str) -> list[dict]:
+    """Return the short one-turn chat, made unique by a tag so no response cache answers it."""
+    return [{"role": "user", "content": f"({tag}) {SHORT_PROMPT}"}]
+
+
+def long_system_prompt(tokens: int, tag: str) -> str:
+    """Return a system prompt of about `tokens` tokens, unique from its first token on."""
+    sentence_tokens = 16  # the sentence above is 16 Qwen2 tokens
+    return f"Session {tag}. " + SYSTEM_PROMPT_SENTENCE * max(1, tokens // sentence_tokens)
+
+
+# The servers ---------------------------------------------------------------------------------
+
+
+def start_corechat(log_dir: Path, model_dir: Path, redis_url: str, **settings) -> tuple[GunicornServer, float]:
+    """Start Gunicorn as operators do and return it with the seconds until every worker was ready."""
+    workers = int(settings.pop("workers", 0)) or physical_cores()
+    if redis_url:
+        settings["redis_url"] = redis_url
+    server = GunicornServer(log_dir, workers=workers, model=model_dir, max_queue=64, max_model_len=4096, **settings)
+    began = time.perf_counter()
+    server.start(timeout=600)
+    return server, time.perf_counter() - began
+
+
+def memory_of(server: GunicornServer) -> dict:
+    """Sum the PSS and RSS of the master and every worker from /proc/PID/smaps_rollup."""
+    totals = {"pss": 0, "rss": 0, "processes": 0}
+    for pid in [server.process.pid, *server.worker_pids()]:
+        with open(f"/proc/{pid}/smaps_rollup") as file:
+            for line in file:
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Rss"):
+                    totals[key.lower()] += int(rest.split()[0]) * 1024
+        totals["processes"] += 1
+    return totals
+
+
+def run_probe(*args: str) -> dict:
+    """Run a torch probe in its own process and return its JSON."""
+    output = subprocess.run([sys.executable, "-m", "bench.probes", *args], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
+    """Count the weight bytes one decoded token reads: every matrix once, the embedding only as the output layer."""
+    config = json.loads((model_dir / "config.json").read_text())
+    path = model_dir / "model.safetensors"
+    with path.open("rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    element_counts = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            count = 1
+            for size in info["shape"]:
+                count *= size
+            element_counts[name] = count
+    total = sum(element_counts.values())
+    # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
+    embedding = element_counts.get("model.embed_tokens.weight", 0)
+    read = total if config.get("tie_word_embeddings") else total - embedding
+    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1}[dtype]
+    return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes,
+            "file_bytes": path.stat().st_size}
+
+
+# The scenarios --------------------------------------------------------------------------------
+
+
+def scenario_short_prompt(url: str, plan: Plan) -> dict:
+    """Scenario 1: one short chat, one stream, several times."""
+    runs = [stream_chat(url, short_chat(f"s1-{uuid.uuid4().hex[:8]}"), plan.max_tokens) for _ in range(plan.repetitions)]
+    return summarize_streams(runs)
+
+
+def summarize_streams(runs: list[StreamResult]) -> dict:
+    """Reduce single-stream runs to first-token percentiles and decode speed."""
+    good = [run for run in runs if not run.error and run.first_token_seconds]
+    first = [run.first_token_seconds for run in good] or [0.0]
+    return {
+        "runs": len(runs),
+        "errors": [run.error for run in runs if run.error],
+        "first_token_p50_seconds": statistics.median(first),
+        "first_token_p95_seconds": percentile(first, 0.95),
+        "decode_tokens_per_second": statistics.median([run.decode_tokens_per_second for run in good] or [0.0]),
+        "completion_tokens": statistics.median([run.completion_tokens for run in good] or [0]),
+    }
+
+
+def scenario_system_prompt(url: str, plan: Plan, workers: int) -> dict:
+    """Scenario 2: a long system prompt seen for the first time, then again with new user turns."""
+    cold, repeated = [], []
+    for round_index in range(max(1, plan.repetitions // 3)):
+        system = long_system_prompt(plan.system_prompt_tokens, uuid.uuid4().hex[:8])
+        cold.append(stream_chat(url, [{"role": "system", "content": system},
+                                      {"role": "user", "content": f"Turn 0 of round {round_index}: hello."}], plan.max_tokens))
+        # Each worker keeps its own prefixes, so a repeat can land cold on another worker: send a
+        # few repeats per worker and take the median.
+        for turn in range(1, 2 * workers + 2):
+            repeated.append(stream_chat(url, [{"role": "system", "content": system},
+                                              {"role": "user", "content": f"Turn {turn}: what next?"}], plan.max_tokens))
+    cold_first = statistics.median([run.first_token_seconds for run in cold])
+    repeated_first = statistics.median([run.first_token_seconds for run in repeated])
+    return {
+        "system_prompt_tokens_about": plan.system_prompt_tokens,
+        "errors": [run.error for run in cold + repeated if run.error],
+        "cold_first_token_p50_seconds": cold_first,
+        "repeated_first_token_p50_seconds": repeated_first,
+        "repeated_first_token_min_seconds": min(run.first_token_seconds for run in repeated),
+        "repeated_to_cold": repeated_first / cold_first if cold_first else 0.0,
+    }
+
+
+def scenario_concurrency(url: str, plan: Plan) -> dict:
+    """Scenario 3: 1, 2, 4, ... streams at once: aggregate speed and latency."""
+    rows = {}
+    for streams in plan.stream_counts:
+        progress(f"scenario 3: {streams} concurrent streams")
+        results, wall = concurrent_streams(url, [short_chat(f"s3-{uuid.uuid4().hex[:8]}") for _ in range(streams)],
+                                           plan.max_tokens)
+        good = [result for result in results if not result.error]
+        first = [result.first_token_seconds for result in good] or [0.0]
+        gaps = [gap for result in good for gap in result.gaps] or [0.0]
+        rows[str(streams)] = {
+            "aggregate_tokens_per_second": sum(result.completion_tokens for result in good) / wall,
+            "first_token_p50_seconds": statistics.median(first),
+            "first_token_p95_seconds": percentile(first, 0.95),
+            "inter_token_p95_seconds": percentile(gaps, 0.95),
+            "errors": [result.error for result in results if result.error],
+        }
+    return rows
+
+
+def scenario_cache_hit(url: str, plan: Plan) -> dict:
+    """Scenario 4: the same greedy request twice; the second may come from the response cache."""
+    messages = short_chat(f"s4-{uuid.uuid4().hex[:8]}")
+    miss = stream_chat(url, messages, plan.max_tokens)
+    hits = [stream_chat(url, messages, plan.max_tokens) for _ in range(max(2, plan.repetitions // 2))]
+    hit_first_byte = statistics.median([hit.first_byte_seconds for hit in hits])
+    return {
+        "miss_x_cache": miss.x_cache or "(no header)",
+        "repeat_x_cache": sorted({hit.x_cache or "(no header)" for hit in hits}),
+        "miss_first_byte_seconds": miss.first_byte_seconds,
+        "miss_total_seconds": miss.total_seconds,
+        "repeat_first_byte_p50_seconds": hit_first_byte,
+        "repeat_total_p50_seconds": statistics.median([hit.total_seconds for hit in hits]),
+        "repeat_to_miss_total": statistics.median([hit.total_seconds for hit in hits]) / miss.total_seconds
+        if miss.total_seconds else 0.0,
+        "errors": [run.error for run in [miss, *hits] if run.error],
+    }
+
+
+def scenario_matrix(log_dir: Path, model_dir: Path, redis_url: str, plan: Plan, dtype: str) -> dict:
+    """Scenario 7: workers x threads per worker, each started cold and measured briefly."""
+    cores = physical_cores()
+    shapes = sorted({(workers, cores // workers) for workers in range(1, cores + 1) if cores % workers == 0} | {(1, 1)},
+                    key=lambda shape: (-shape[0] * shape[1], shape))
+    rows = {}
+    for workers, threads in shapes:
+        label = f"{workers}x{threads}"
+        progress(f"scenario 7: {workers} worker(s) x {threads} thread(s)")
+        server, cold_start = start_corechat(log_dir, model_dir, redis_url, workers=workers, torch_threads=threads,
+                                            dtype=dtype)
+        try:
+            single = summarize_streams([stream_chat(server.url, short_chat(f"s7-{uuid.uuid4().hex[:8]}"), plan.max_tokens)
+                                        for _ in range(plan.matrix_repetitions)])
+            results, wall = concurrent_streams(server.url, [short_chat(f"s7-{uuid.uuid4().hex[:8]}") for _ in range(4)],
+                                               plan.max_tokens)
+            rows[label] = {
+                "cold_start_seconds": cold_start,
+                "first_token_p50_seconds": single["first_token_p50_seconds"],
+                "decode_tokens_per_second": single["decode_tokens_per_second"],
+                "four_streams_aggregate_tokens_per_second": sum(r.completion_tokens for r in results if not r.error) / wall,
+                "errors": single["errors"] + [r.error for r in results if r.error],
+            }
+        finally:
+            server.stop()
+    return rows
+
+
+# The run --------------------------------------------------------------------------------------
+
+
+def run(plan: Plan, dtype: str, settings: dict) -> dict:
+    """Measure everything and return the results."""
+    from service.devmodel import build_dev_model
+
+    cores = physical_cores()
+    progress(f"dev model {plan.preset} in {plan.model_dir} (built once)")
+    build_dev_model(plan.model_dir, plan.preset)
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "physical_cores": cores,
+                           "load_average_at_start": os.getloadavg()[0]},
+               "plan": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan).items()},
+               "dtype": dtype, "settings": settings}
+
+    progress("memory read bandwidth probe")
+    bandwidth = run_probe("bandwidth", "--threads", str(cores), "--megabytes", str(plan.bandwidth_megabytes))
+    weights = weight_bytes_per_token(plan.model_dir, dtype)
+    results["bound"] = {**bandwidth, **weights,
+                        "decode_tokens_per_second": bandwidth["bytes_per_second"] / weights["bytes_per_token"]}
+
+    progress("baseline: plain transformers generate(), bf16, streamer")
+    baseline = run_probe("baseline", str(plan.model_dir), "--threads", str(cores), "--max-tokens", str(plan.max_tokens),
+                         "--repetitions", str(plan.repetitions), "--prompt", f"(baseline) {SHORT_PROMPT}")
+    baseline_first = [run["first_token_seconds"] for run in baseline["runs"]]
+    results["baseline"] = {**baseline,
+                           "first_token_p50_seconds": statistics.median(baseline_first),
+                           "decode_tokens_per_second": statistics.median(r["decode_tokens_per_second"] for r in baseline["runs"])}
+
+    with tempfile.TemporaryDirectory(prefix="corechat-bench-") as scratch:
+        scratch = Path(scratch)
+        redis = RedisServer(scratch).start() if shutil.which("redis-server") else None
+        redis_url = redis.url if redis else ""
+        results["redis"] = bool(redis)
+        try:
+            progress("scenario 6: cold start of corechat with the default workers and threads")
+            server, cold_start = start_corechat(scratch, plan.model_dir, redis_url, dtype=dtype, **settings)
+            try:
+                workers = server.workers
+                results["scenario_6_cold_start"] = {"workers": workers, "seconds_until_all_ready": cold_start}
+                progress("scenario 1: short prompt, one stream")
+                results["scenario_1_short_prompt"] = scenario_short_prompt(server.url, plan)
+                progress("scenario 2: long system prompt, cold then repeated")
+                results["scenario_2_system_prompt"] = scenario_system_prompt(server.url, plan, workers)
+                results["scenario_3_concurrency"] = scenario_concurrency(server.url, plan)
+                progress("scenario 4: response cache hit")
+                results["scenario_4_cache_hit"] = scenario_cache_hit(server.url, plan)
+                progress("scenario 5: memory of all processes")
+                memory = memory_of(server)
+                results["scenario_5_memory"] = {**memory, "weight_bytes": weights["file_bytes"],
+                                                "pss_to_weights": memory["pss"] / weights["file_bytes"]}
+            finally:
+                server.stop()
+            results["scenario_7_matrix"] = scenario_matrix(scratch, plan.model_dir, redis_url, plan, dtype)
+        finally:
+            if redis:
+                redis.stop()
+    add_ratios(results)
+    return results
+
+
+def add_ratios(results: dict) -> None:
+    """Relate corechat's figures to the baseline and the bound, as the targets are stated."""
+    single = results["scenario_1_short_prompt"]
+    concurrency = results["scenario_3_concurrency"]
+    one = concurrency.get("1", {}).get("aggregate_tokens_per_second") or 0.0
+    results["ratios"] = {
+        "first_token_to_baseline": single["first_token_p50_seconds"] / results["baseline"]["first_token_p50_seconds"],
+        "decode_to_baseline": single["decode_tokens_per_second"] / results["baseline"]["decode_tokens_per_second"],
+        "decode_to_bound": single["decode_tokens_per_second"] / results["bound"]["decode_tokens_per_second"],
+        "baseline_decode_to_bound": results["baseline"]["decode_tokens_per_second"] / results["bound"]["decode_tokens_per_second"],
+        "four_streams_to_one": (concurrency.get("4", {}).get("aggregate_tokens_per_second", 0.0) / one) if one else 0.0,
+    }
+
+
+def render_markdown(name: str, results: dict) -> str:
+    """Render the results as the Markdown table the README quotes."""
+    base, bound, ratios = results["baseline"], results["bound"], results["ratios"]
+    s1, s2, s4 = results["scenario_1_short_prompt"], results["scenario_2_system_prompt"], results["scenario_4_cache_hit"]
+    s5, s6 = results["scenario_5_memory"], results["scenario_6_cold_start"]
+    lines = [
+        f"## Benchmark `{name}`: {results['plan']['preset']} dev model, {results['dtype']}, "
+        f"{results['machine']['physical_cores']} physical cores, load {results['machine']['load_average_at_start']:.2f} at start",
+        "",
+        "| measurement | value | ratio |",
+        "|---|---|---|",
+        f"| memory read bandwidth (best of sums, {bound['threads']} threads) | {bound['bytes_per_second'] / 1e9:.1f} GB/s | |",
+        f"| weight bytes read per decoded token | {bound['bytes_per_token'] / 1e9:.3f} GB | |",
+        f"| decode bound (bandwidth / bytes per token) | {bound['decode_tokens_per_second']:.1f} tok/s | |",
+        f"| baseline first token (transformers generate, bf16, p50) | {base['first_token_p50_seconds']:.3f} s | |",
+        f"| baseline decode | {base['decode_tokens_per_second']:.1f} tok/s | {ratios['baseline_decode_to_bound']:.2f}x bound |",
+        f"| 1. first token p50 / p95 | {s1['first_token_p50_seconds']:.3f} / {s1['first_token_p95_seconds']:.3f} s | "
+        f"{ratios['first_token_to_baseline']:.2f}x baseline |",
+        f"| 1. decode | {s1['decode_tokens_per_second']:.1f} tok/s | {ratios['decode_to_baseline']:.2f}x baseline, "
+        f"{ratios['decode_to_bound']:.2f}x bound |",
+        f"| 2. {s2['system_prompt_tokens_about']}-token system prompt, first token cold / repeated (p50) | "
+        f"{s2['cold_first_token_p50_seconds']:.3f} / {s2['repeated_first_token_p50_seconds']:.3f} s | "
+        f"{s2['repeated_to_cold']:.2f}x |",
+    ]
+    for streams, row in results["scenario_3_concurrency"].items():
+        lines.append(
+            f"| 3. {streams} streams: aggregate, first token p50/p95, inter-token p95 | "
+            f"{row['aggregate_tokens_per_second']:.1f} tok/s, {row['first_token_p50_seconds']:.2f}/"
+            f"{row['first_token_p95_seconds']:.2f} s, {row['inter_token_p95_seconds'] * 1000:.0f} ms | "
+            f"{len(row['errors'])} errors |"
+        )
+    lines += [
+        f"| 4. repeat of a greedy request: X-Cache {', '.join(s4['repeat_x_cache'])}, first byte / total (p50) | "
+        f"{s4['repeat_first_byte_p50_seconds'] * 1000:.1f} ms / {s4['repeat_total_p50_seconds']:.3f} s | "
+        f"{s4['repeat_to_miss_total']:.2f}x miss total |",
+        f"| 5. PSS of master + {s5['processes'] - 1} workers | {s5['pss'] / 1e9:.2f} GB | "
+        f"{s5['pss_to_weights']:.2f}x weights ({s5['weight_bytes'] / 1e9:.2f} GB) |",
+        f"| 6. cold start until all {s6['workers']} workers ready | {s6['seconds_until_all_ready']:.1f} s | |",
+    ]
+    for label, row in results["scenario_7_matrix"].items():
+        lines.append(
+            f"| 7. {label} (workers x threads): cold start, first token, decode, 4-stream aggregate | "
+            f"{row['cold_start_seconds']:.1f} s, {row['first_token_p50_seconds']:.3f} s, "
+            f"{row['decode_tokens_per_second']:.1f} tok/s, {row['four_streams_aggregate_tokens_per_second']:.1f} tok/s | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few repetitions: checks that it all runs")
+    parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
+    parser.add_argument("--dtype", default="bfloat16", help="DTYPE setting of the served model")
+    parser.add_argument("--repetitions", type=int, help="runs per single-stream measurement")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="another corechat setting for the main server, e.g. --set PIN_WORKERS=1")
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Run the benchmark, print the table and write the results files."""
+    args = parse_args()
+    sizes = dict(QUICK if args.quick else FULL)
+    if args.repetitions:
+        sizes["repetitions"] = args.repetitions
+    default_dir = CACHE_DIR / ("test-tiny" if args.quick else f"bench-{sizes['preset']}")
+    plan = Plan(model_dir=args.model_dir or default_dir, **sizes)
+    settings = dict(item.split("=", 1) for item in args.set)
+    name = args.name or f"{'quick' if args.quick else 'full'}-{args.dtype}"
+    results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()})
+    table = render_markdown(name, results)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.results_dir / f"{name}.md").write_text(table)
+    print(table)
+    progress(f"wrote {args.results_dir / name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Decode every running sequence of a worker in one forward pass per token (continuous batching).
+
+Sequences join after their own prompt pass and leave when they finish; the batch's KV cache is
+their caches left-padded to one length, so one step appends one column for every row, and an
+attention mask hides the padding.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .prefixes import build_cache, cache_layers
+
+
+class DecodeBatch:
+    """The running sequences' joint KV cache, padding and positions."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cache = None
+        self.lengths: list[int] = []  # real tokens in each row's cache
+        self.width = 0  # columns in the joint cache, padding included
+
+    def __len__(self) -> int:
+        """Return the number of rows."""
+        return len(self.lengths)
+
+    def join(self, caches: list) -> None:
+        """Append rows for sequences whose prompt pass is done (each cache holds one row)."""
+        rows = [cache_layers(self.cache) if self.cache is not None else None] + [cache_layers(c) for c in caches]
+        lengths = self.lengths + [cache.get_seq_length() for cache in caches]
+        width = max(lengths)
+        layers = []
+        for layer in range(len(caches[0].layers)):
+            keys, values = [], []
+            for part in rows:
+                if part is None:
+                    continue
+                part_keys, part_values = part[layer]
+                pad = width - part_keys.shape[-2]
+                keys.append(F.pad(part_keys, (0, 0, pad, 0)))
+                values.append(F.pad(part_values, (0, 0, pad, 0)))
+            layers.append((torch.cat(keys), torch.cat(values)))
+        self.cache = build_cache(self.config, layers)
+        self.lengths, self.width = lengths, width
+
+    def leave(self, rows: list[int]) -> None:
+        """Drop finished rows, and the padding columns no remaining row needs."""
+        keep = [row for row in range(len(self.lengths)) if row not in set(rows)]
+        if not keep:
+            self.cache, self.lengths, self.width = None, [], 0
+            return
+        lengths = [self.lengths[row] for row in keep]
+        trim = self.width - max(lengths)
+        index = torch.tensor(keep)
+        layers = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+                  for k, v in cache_layers(self.cache)]
+        self.cache = build_cache(self.config, layers)
+        self.lengths, self.width = lengths, self.width - trim
+
+    def step(self, model, token_ids: list[int]) -> torch.Tensor:
+        """Feed one token per row; return the next-token logits, one row per sequence."""
+        positions = torch.tensor(self.lengths).unsqueeze(1)
+        padded = len(self.lengths) > 1 and min(self.lengths) < self.width
+        mask = None
+        if padded:
+            columns = torch.arange(self.width + 1)
+            mask = (columns >= (self.width - positions)).long()
+        output = model(
+            input_ids=torch.tensor(token_ids).unsqueeze(1),
+            attention_mask=mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.lengths = [length + 1 for length in self.lengths]
+        self.width += 1
+        return output.logits[:, -1]

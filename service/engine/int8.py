@@ -1,0 +1,105 @@
+"""8-bit weights: each Linear's weight as int8 with one bf16 scale per output row.
+
+Converted once into a safetensors file beside the others and memory-mapped like them, so every
+worker reads the same page-cache pages (no private packed copy, no fp32 detour at load). The
+matrix product is torch's `_weight_int8pack_mm` (bf16 activations, int8 weights), which reads
+half the bytes of bf16 per decoded token.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .loading import map_safetensors, safetensors_files
+
+log = logging.getLogger(__name__)
+
+INT8_SUFFIX = ".int8"
+SCALE_SUFFIX = ".scale"
+OUTPUT_LAYER = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+class Int8Linear(nn.Module):
+    """A bias-optional Linear whose weight is int8 rows times bf16 row scales."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_int8", weight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Multiply bf16 activations by the int8 weight."""
+        flat = inputs.reshape(-1, self.in_features).to(torch.bfloat16)
+        output = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.bias is not None:
+            output = output + self.bias
+        return output.reshape(*inputs.shape[:-1], self.out_features)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix symmetrically per output row; return int8 rows and bf16 scales."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    rows = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return rows, scales.to(torch.bfloat16)
+
+
+def int8_weight_names(model) -> dict[str, str]:
+    """Map each quantized Linear's module name to the checkpoint name of its weight."""
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith("model.layers."):
+            names[name] = f"{name}.weight"
+    names["lm_head"] = OUTPUT_LAYER
+    return names
+
+
+def int8_file_for(model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
+    """Return where a model's int8 weights live: beside it, or in the converted folder if it is read-only."""
+    beside = model_dir / f"corechat-int8-{fingerprint}.safetensors"
+    if beside.is_file() or os.access(model_dir, os.W_OK):
+        return beside
+    return converted_dir / beside.name
+
+
+def convert_to_int8(model_dir: Path, model, target: Path) -> None:
+    """Write the int8 rows and scales of every Linear (the output layer included) to one file."""
+    state = {}
+    for path in safetensors_files(model_dir):
+        state.update(map_safetensors(path))
+    tensors = {}
+    for weight_name in int8_weight_names(model).values():
+        source = state.get(weight_name)
+        if source is None and weight_name == OUTPUT_LAYER:
+            source = state[EMBEDDING]  # tied output layer
+        rows, scales = quantize_rows(source)
+        tensors[weight_name + INT8_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = rows, scales
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Workers may convert at the same time; each writes its own file and the rename is atomic.
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(temporary))
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, target)
+
+
+def apply_int8(model, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
+    """Swap every Linear of a loaded bf16 model for an Int8Linear over the mapped int8 file."""
+    target = int8_file_for(model_dir, converted_dir, fingerprint)
+    if not target.is_file():
+        log.info("converting the weights to int8 once, into %s", target)
+        convert_to_int8(model_dir, model, target)
+    tensors = map_safetensors(target)
+    for module_name, weight_name in int8_weight_names(model).items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        bias = old.bias.detach() if old.bias is not None else None
+        setattr(parent, child, Int8Linear(tensors[weight_name + INT8_SUFFIX], tensors[weight_name + SCALE_SUFFIX], bias))
+    return target

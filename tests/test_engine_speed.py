@@ -1,0 +1,115 @@
+"""Prefix reuse and batched decoding change how fast the engine is, never what it generates."""
+
+import os
+import threading
+
+import pytest
+
+from service.engine import Engine, Finished, SamplingParams, TextDelta
+
+SYSTEM = "You are a terse assistant. " * 20
+QUESTIONS = ["What is a prime?", "Name a colour.", "Count to three.", "Why is water wet?"]
+
+
+def run_to_end(engine: Engine, prompt_ids: list[int], max_tokens: int = 12) -> tuple[str, Finished]:
+    """Generate greedily and return the text and the final event."""
+    generation = engine.submit(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    text, finished = [], None
+    for event in generation.events():
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None, "the generation failed"
+    return "".join(text), finished
+
+
+def prompt_of(engine: Engine, question: str) -> list[int]:
+    """Encode a chat with the shared system prompt and one question."""
+    return engine.encode(engine.render_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
+
+
+def started_engine(make_settings, **overrides) -> Engine:
+    """Start a float32 engine on the tiny model (float32: exact comparisons do not hinge on bf16 rounding)."""
+    engine = Engine(make_settings(**{"dtype": "float32", "max_model_len": 1024, **overrides}))
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain_engine(make_settings):
+    """An engine without prefix reuse that runs one sequence at a time."""
+    engine = started_engine(make_settings, prefix_cache_mb=0, max_running=1)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def fast_engine(make_settings):
+    """An engine with prefix reuse and batches of up to four sequences."""
+    engine = started_engine(make_settings, prefix_cache_mb=64, max_running=4)
+    yield engine
+    engine.stop()
+
+
+def test_prefix_reuse_processes_only_new_tokens_and_keeps_output_identical(plain_engine, fast_engine):
+    """A second prompt sharing the system prompt reuses its KV state and generates the same text."""
+    first, second = prompt_of(fast_engine, QUESTIONS[0]), prompt_of(fast_engine, QUESTIONS[1])
+    shared = next(index for index, (a, b) in enumerate(zip(first, second)) if a != b)
+    text_cold, finished_cold = run_to_end(fast_engine, first)
+    text_warm, finished_warm = run_to_end(fast_engine, second)
+    assert finished_cold.cached_prompt_tokens == 0
+    assert finished_warm.cached_prompt_tokens == shared
+    assert text_warm == run_to_end(plain_engine, second)[0]
+    assert text_cold == run_to_end(plain_engine, first)[0]
+
+
+def test_repeated_prompt_reuses_all_but_its_last_token(fast_engine):
+    """The same prompt again processes only its last token, and does not corrupt the stored prefix."""
+    prompt = prompt_of(fast_engine, QUESTIONS[2])
+    first_text, _ = run_to_end(fast_engine, prompt)
+    again_text, again = run_to_end(fast_engine, prompt)
+    third_text, _ = run_to_end(fast_engine, prompt)
+    assert again.cached_prompt_tokens == len(prompt) - 1
+    assert first_text == again_text == third_text
+
+
+def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_engine, fast_engine):
+    """Four streams at once share forward passes and each gets what it gets alone."""
+    prompts = [fast_engine.encode(fast_engine.render_prompt([{"role": "user", "content": q * (i + 1)}]))
+               for i, q in enumerate(QUESTIONS)]
+    alone = [run_to_end(plain_engine, prompt, max_tokens=16)[0] for prompt in prompts]
+    together: list[str | None] = [None] * len(prompts)
+
+    def generate(index: int) -> None:
+        together[index] = run_to_end(fast_engine, prompts[index], max_tokens=16)[0]
+
+    threads = [threading.Thread(target=generate, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert together == alone
+    assert fast_engine.facts["largest_batch"] >= 2
+
+
+def test_int8_weights_are_converted_once_into_a_shared_file_and_generate(make_settings, tmp_path):
+    """DTYPE=int8 writes its converted file once, later engines map it again, and generation works."""
+    from service.engine.int8 import Int8Linear
+
+    first = started_engine(make_settings, dtype="int8", converted_weights_dir=str(tmp_path))
+    converted = first.facts["int8_weights"]
+    written_at = os.stat(converted).st_mtime_ns
+    first.stop()
+    engine = Engine(make_settings(dtype="int8", converted_weights_dir=str(tmp_path), max_model_len=1024))
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    try:
+        assert engine.facts["int8_weights"] == converted
+        assert os.stat(converted).st_mtime_ns == written_at
+        assert isinstance(engine.model.lm_head, Int8Linear)
+        text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
+        assert finished.completion_tokens == 12 and finished.finish_reason == "length"
+    finally:
+        engine.stop()
