@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from flask import Flask
 
-from . import api, errors
+from . import api, auth, errors, ui
 from .settings import Settings, get_settings
 
 
@@ -27,7 +27,9 @@ def create_app(settings: Settings | None = None, *, engine=None) -> Flask:
     configure_logging(settings)
     register_core(app, settings, engine)
     errors.init_app(app)
+    auth.init_app(app)
     api.init_app(app)
+    ui.init_app(app)
     return app
 
 
