@@ -4,7 +4,6 @@ import http.server
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -14,10 +13,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
-from support import REPO, GunicornServer
+from support import REPO, TEST_API_KEY
 from test_gunicorn import ready_facts
 
-API_KEY = "sk-page-test-key"
 STATIC_DIR = REPO / "service" / "static"
 ARTIFACTS = REPO / "artifacts"
 # Every test runs on an emulated phone screen (headless windows cannot be narrower than 500 px),
@@ -27,25 +25,6 @@ PHONE_SCREEN = {"width": 390, "height": 844, "pixelRatio": 1.0, "touch": True}
 # within them was stopped, not finished.
 ENDLESS_MAX_TOKENS = 30000
 STOP_BOUND_SECONDS = 15
-
-
-@pytest.fixture(scope="module")
-def page_server(tiny_model_dir, tmp_path_factory):
-    """Run Gunicorn with a key, room for one running and one waiting request, and long replies."""
-    server = GunicornServer(
-        tmp_path_factory.mktemp("chat-page"),
-        workers=1,
-        model=tiny_model_dir,
-        model_name="tiny",
-        api_keys=API_KEY,
-        max_running=1,
-        max_queue=1,
-        max_tokens_limit=32000,
-        sse_ping_seconds=0.5,
-    )
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +44,7 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-def open_page(browser, base_url: str, api_key: str | None = API_KEY) -> None:
+def open_page(browser, base_url: str, api_key: str | None = TEST_API_KEY) -> None:
     """Load the page with a key already kept in local storage, as after a first visit."""
     browser.get(f"{base_url}/")
     if api_key is None:
@@ -123,8 +102,8 @@ def queue_is_empty(server) -> bool:
     return all(body["running"] == 0 and body["waiting"] == 0 for body in ready_facts(server).values())
 
 
-def test_tokens_appear_before_the_reply_is_complete(browser, page_server):
-    open_page(browser, page_server.url)
+def test_tokens_appear_before_the_reply_is_complete(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     set_field(browser, "max-tokens", ENDLESS_MAX_TOKENS)
     send(browser, "Tell me a very long story.")
     lengths_while_streaming = set()
@@ -137,27 +116,27 @@ def test_tokens_appear_before_the_reply_is_complete(browser, page_server):
     assert len(lengths_while_streaming) >= 5, "the reply did not grow while it streamed"
     browser.find_element(By.ID, "stop").click()
     wait_for(browser, lambda driver: last_reply(driver)["state"] == "stopped")
-    wait_for(browser, lambda driver: queue_is_empty(page_server), STOP_BOUND_SECONDS)
+    wait_for(browser, lambda driver: queue_is_empty(keyed_server), STOP_BOUND_SECONDS)
 
 
-def test_stop_aborts_the_request_and_the_server_stops_generating(browser, page_server):
-    open_page(browser, page_server.url)
+def test_stop_aborts_the_request_and_the_server_stops_generating(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     set_field(browser, "max-tokens", ENDLESS_MAX_TOKENS)
     send(browser, "Count to a million.")
     wait_for(browser, lambda driver: len((last_reply(driver) or {}).get("text", "")) > 0)
-    assert running_requests(page_server) == 1
+    assert running_requests(keyed_server) == 1
     browser.find_element(By.ID, "stop").click()
     stopped = wait_for(browser, lambda driver: last_reply(driver)["state"] == "stopped" and last_reply(driver))
     assert "stopped" in stopped["stats"]
     began = time.monotonic()
-    while running_requests(page_server) != 0:
+    while running_requests(keyed_server) != 0:
         assert time.monotonic() - began < STOP_BOUND_SECONDS, "the server kept generating after Stop"
         time.sleep(0.1)
     assert browser.find_element(By.ID, "send").is_enabled()
 
 
-def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, page_server):
-    open_page(browser, page_server.url)
+def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     set_field(browser, "system-prompt", "You are terse.")
     set_field(browser, "max-tokens", 12)
     send(browser, "Hello there!")
@@ -173,8 +152,8 @@ def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, pag
     browser.save_screenshot(str(ARTIFACTS / "chat-page.png"))
 
 
-def test_wrong_api_key_shows_a_readable_401(browser, page_server):
-    open_page(browser, page_server.url, api_key="sk-wrong")
+def test_wrong_api_key_shows_a_readable_401(browser, keyed_server):
+    open_page(browser, keyed_server.url, api_key="sk-wrong")
     send(browser, "Hello?")
     message = error_text(browser)
     assert "401" in message and "incorrect API key provided" in message
@@ -182,35 +161,35 @@ def test_wrong_api_key_shows_a_readable_401(browser, page_server):
     assert browser.find_element(By.ID, "prompt").get_attribute("value") == "Hello?"
 
 
-def test_api_key_entered_once_is_kept_across_visits(browser, page_server):
-    open_page(browser, page_server.url, api_key=None)
+def test_api_key_entered_once_is_kept_across_visits(browser, keyed_server):
+    open_page(browser, keyed_server.url, api_key=None)
     browser.find_element(By.CSS_SELECTOR, "#settings summary").click()
-    browser.find_element(By.ID, "api-key").send_keys(API_KEY, Keys.TAB)
-    browser.get(f"{page_server.url}/")
-    assert browser.find_element(By.ID, "api-key").get_attribute("value") == API_KEY
+    browser.find_element(By.ID, "api-key").send_keys(TEST_API_KEY, Keys.TAB)
+    browser.get(f"{keyed_server.url}/")
+    assert browser.find_element(By.ID, "api-key").get_attribute("value") == TEST_API_KEY
     set_field(browser, "max-tokens", 2)
     send(browser, "Hi")
     wait_for(browser, lambda driver: last_reply(driver)["state"] == "done")
 
 
-def test_bad_request_shows_the_servers_400_message(browser, page_server):
-    open_page(browser, page_server.url)
+def test_bad_request_shows_the_servers_400_message(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     set_field(browser, "max-tokens", 999999)
     send(browser, "Hello?")
     message = error_text(browser)
     assert "400" in message and "above this server's limit of 32000" in message
 
 
-def test_full_server_shows_a_503_with_retry_after(browser, page_server):
-    open_page(browser, page_server.url)
+def test_full_server_shows_a_503_with_retry_after(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     set_field(browser, "max-tokens", 8)
     body = {"messages": [{"role": "user", "content": "fill"}], "max_tokens": ENDLESS_MAX_TOKENS, "stream": True}
     held = []
     try:
         for _ in range(2):  # one running, one waiting: the worker takes no more
             response = requests.post(
-                f"{page_server.url}/v1/chat/completions", json=body, stream=True, timeout=60,
-                headers={"Authorization": f"Bearer {API_KEY}"},
+                f"{keyed_server.url}/v1/chat/completions", json=body, stream=True, timeout=60,
+                headers={"Authorization": f"Bearer {TEST_API_KEY}"},
             )
             assert response.status_code == 200
             held.append(response)
@@ -220,11 +199,11 @@ def test_full_server_shows_a_503_with_retry_after(browser, page_server):
         for response in held:
             response.close()
     assert "503" in message and "Try again in 1 s" in message
-    wait_for(browser, lambda driver: queue_is_empty(page_server), STOP_BOUND_SECONDS)
+    wait_for(browser, lambda driver: queue_is_empty(keyed_server), STOP_BOUND_SECONDS)
 
 
-def test_page_fits_a_phone_screen(browser, page_server):
-    open_page(browser, page_server.url)
+def test_page_fits_a_phone_screen(browser, keyed_server):
+    open_page(browser, keyed_server.url)
     layout = browser.execute_script(
         "const composer = document.getElementById('composer').getBoundingClientRect();"
         "return {overflow: document.documentElement.scrollWidth - window.innerWidth,"

@@ -2,40 +2,20 @@
 
 import openai
 import pytest
-from support import GunicornServer
+from support import TEST_API_KEY
 
-API_KEY = "sk-openai-client-test"
 USER = [{"role": "user", "content": "Write a short poem about caches."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    """Run Gunicorn with a key and room for one running and one waiting request."""
-    server = GunicornServer(
-        tmp_path_factory.mktemp("openai-client"),
-        workers=1,
-        model=tiny_model_dir,
-        model_name="tiny",
-        api_keys=API_KEY,
-        max_running=1,
-        max_queue=1,
-        max_tokens_limit=32000,
-        sse_ping_seconds=0.5,
-    )
-    server.start()
-    yield server
-    server.stop()
-
-
-def make_client(server, api_key: str = API_KEY) -> openai.OpenAI:
+def make_client(server, api_key: str = TEST_API_KEY) -> openai.OpenAI:
     """Return an openai client of the server that never retries (so errors surface as they are)."""
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(keyed_server):
     """Return an openai client with the right key."""
-    return make_client(server)
+    return make_client(keyed_server)
 
 
 def streamed(client, **params) -> tuple[str, list]:
@@ -117,9 +97,9 @@ def test_too_many_tokens_raises_bad_request_error_naming_the_limit(client):
     assert raised.value.param == "max_tokens"
 
 
-def test_wrong_key_raises_authentication_error(server):
+def test_wrong_key_raises_authentication_error(keyed_server):
     with pytest.raises(openai.AuthenticationError) as raised:
-        make_client(server, api_key="sk-wrong").chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+        make_client(keyed_server, api_key="sk-wrong").chat.completions.create(model="tiny", messages=USER, max_tokens=2)
     error = raised.value
     assert error.status_code == 401
     assert error.code == "invalid_api_key"
