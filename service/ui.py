@@ -8,11 +8,22 @@ from flask import Blueprint, current_app
 
 bp = Blueprint("ui", __name__)
 
+# Defence in depth behind rendering replies as text: the page runs only its own scripts, loads
+# nothing from elsewhere, talks only to this server and cannot be framed.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
 
 @bp.get("/")
 def show_chat_page():
-    """Serve the chat page."""
-    return current_app.send_static_file("index.html")
+    """Serve the chat page under a strict content security policy."""
+    response = current_app.send_static_file("index.html")
+    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
 
 
 def init_app(app) -> None:

@@ -39,6 +39,7 @@ def browser(tmp_path_factory):
     ):
         options.add_argument(argument)
     options.add_experimental_option("mobileEmulation", {"deviceMetrics": PHONE_SCREEN})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     yield driver
     driver.quit()
@@ -137,6 +138,7 @@ def test_stop_aborts_the_request_and_the_server_stops_generating(browser, keyed_
 
 def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, keyed_server):
     open_page(browser, keyed_server.url)
+    browser.get_log("browser")  # start with an empty console
     set_field(browser, "system-prompt", "You are terse.")
     set_field(browser, "max-tokens", 12)
     send(browser, "Hello there!")
@@ -148,6 +150,8 @@ def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, key
     send(browser, "And again?")
     wait_for(browser, lambda driver: len(driver.find_elements(By.CSS_SELECTOR, ".message.assistant .stats")) == 2)
     assert len(browser.find_elements(By.CSS_SELECTOR, ".message.user")) == 2
+    problems = [entry["message"] for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+    assert problems == [], "the page logged errors (a content security policy violation, say)"
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "chat-page.png"))
 
