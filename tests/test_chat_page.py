@@ -357,3 +357,41 @@ def test_sse_parser_gives_the_same_events_however_the_bytes_are_split(browser, s
     assert json.loads(data[2])["choices"][0]["delta"]["content"] == "é✓\nz"
     assert data[-2] == "[DONE]"
     assert events[-1] == {"type": "custom", "data": "line one\nline two"}
+
+
+CROSS_ORIGIN_FETCH = """
+const [url, key, done] = arguments;
+fetch(url, {
+  method: "POST",
+  headers: {"Content-Type": "application/json", Authorization: `Bearer ${key}`},
+  body: JSON.stringify({messages: [{role: "user", content: "hi"}], max_tokens: 2, stream: true}),
+}).then(async (response) => done({status: response.status, body: await response.text()}))
+  .catch((error) => done({failed: String(error)}));
+"""
+
+
+def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, tiny_model_dir, tmp_path):
+    """A real browser's preflight and cross-origin stream: 127.0.0.1:port is allowed, localhost:port is not."""
+    from support import GunicornServer
+
+    api = GunicornServer(
+        tmp_path, workers=1, model=tiny_model_dir, model_name="tiny", api_keys=TEST_API_KEY,
+        cors_origins=scripted_server, warmup=False,
+    ).start()
+    try:
+        url = f"{api.url}/v1/chat/completions"
+        open_page(browser, scripted_server, api_key=None)
+        allowed = browser.execute_async_script(CROSS_ORIGIN_FETCH, url, TEST_API_KEY)
+        assert allowed.get("status") == 200, allowed
+        assert allowed["body"].rstrip().endswith("data: [DONE]")
+        wrong_key = browser.execute_async_script(CROSS_ORIGIN_FETCH, url, "sk-wrong")
+        assert wrong_key.get("status") == 401 and "incorrect API key provided" in wrong_key["body"]
+        other_origin = scripted_server.replace("127.0.0.1", "localhost")
+        open_page(browser, other_origin, api_key=None)
+        assert browser.execute_script("return location.origin") == other_origin
+        assert browser.find_elements(By.ID, "composer"), "the page did not load from the other origin"
+        refused = browser.execute_async_script(CROSS_ORIGIN_FETCH, url, TEST_API_KEY)
+        assert "failed" in refused, refused
+    finally:
+        api.stop()
+    assert '"OPTIONS /v1/chat/completions HTTP/1.1" 403' in api.log(), "the refusal was not the preflight's"
