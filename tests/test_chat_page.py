@@ -263,7 +263,7 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
         if "/" in name or not path.is_file():
             self.send_error(404)
             return
-        content_type = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}[path.suffix]
+        content_type = {".html": "text/html", ".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}[path.suffix]
         body = path.read_bytes()
         self.send_response(200)
         self.send_header("Content-Type", f"{content_type}; charset=utf-8")
