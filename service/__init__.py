@@ -26,7 +26,7 @@ def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
     from flask import Flask
 
-    from . import api, errors, limits, metrics, openapi
+    from . import api, auth, errors, limits, metrics, openapi, ui
     from .cache import init_app as init_cache
 
     settings = settings or get_settings()
@@ -35,10 +35,12 @@ def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     register_core(app, settings, engine)
     init_cache(app, cache)
     errors.init_app(app)
+    auth.init_app(app)
     limits.init_app(app)
     api.init_app(app)
     metrics.init_app(app)
     openapi.init_app(app)
+    ui.init_app(app)
     return app
 
 

@@ -8,7 +8,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DEMO_MODEL_DIR = Path.home() / ".cache" / "corechat" / "demo-qwen2.5-0.5b"
@@ -182,6 +182,45 @@ class Settings(BaseSettings):
     def threads_per_worker(self) -> int:
         """Return torch intra-op threads for one worker."""
         return self.torch_threads or max(1, physical_cores() // self.worker_count)
+
+    # Access control
+    api_keys: SecretStr = Field(
+        SecretStr(""), description="Comma-separated API keys; when any is set, every route but /healthz, "
+        "/readyz and the chat page's files needs `Authorization: Bearer <key>`. Empty: no keys needed."
+    )
+    metrics_require_key: bool = Field(
+        False, description="Ask for an API key on /metrics too; off by default because /metrics "
+        "belongs on a private port or network, where Prometheus scrapes it without a key."
+    )
+    cors_origins: str = Field(
+        "", description="Comma-separated origins (scheme://host[:port]) whose pages may call the API "
+        "from a browser; none by default. `*` is not accepted: list each frontend."
+    )
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _check_cors_origins(cls, value: str) -> str:
+        """Accept only exact origins, so a typo fails at start instead of silently refusing a frontend."""
+        for origin in _split_list(value):
+            scheme, _, host = origin.partition("://")
+            if scheme not in ("http", "https") or not host or "/" in host:
+                raise ValueError(f"cors_origins: {origin!r} is not an origin like https://chat.example.com")
+        return value
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        """Return the configured API keys; empty when the API is open."""
+        return tuple(_split_list(self.api_keys.get_secret_value()))
+
+    @property
+    def cors_origin_set(self) -> frozenset[str]:
+        """Return the origins allowed to call the API from a browser."""
+        return frozenset(_split_list(self.cors_origins))
+
+
+def _split_list(value: str) -> list[str]:
+    """Split a comma-separated setting into its non-empty, stripped items."""
+    return [item.strip() for item in value.split(",") if item.strip()]
 
 
 @lru_cache(maxsize=1)

@@ -76,6 +76,30 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model_dir, tmp_path_factory):
+    """Run Gunicorn with 1 worker that needs TEST_API_KEY and takes one running and one waiting request.
+
+    A third concurrent request gets a 503, and max_tokens may go up to 32000 for endless replies.
+    """
+    from support import TEST_API_KEY, GunicornServer
+
+    server = GunicornServer(
+        tmp_path_factory.mktemp("keyed-gunicorn"),
+        workers=1,
+        model=tiny_model_dir,
+        model_name="tiny",
+        api_keys=TEST_API_KEY,
+        max_running=1,
+        max_queue=1,
+        max_tokens_limit=32000,
+        sse_ping_seconds=0.5,
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture()
 def redis_server(tmp_path):
     """Run a real redis-server on a free port for one test."""

@@ -12,6 +12,8 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
+# The key the `keyed_server` fixture asks for.
+TEST_API_KEY = "sk-corechat-test-key"
 
 
 def free_port() -> int:

@@ -1,0 +1,31 @@
+"""The built-in chat page: static HTML, CSS and JavaScript, no build step and nothing from a CDN.
+
+Flask itself serves `service/static/` at `/static/` (the app's own static folder); this blueprint
+adds the page at `/`.
+"""
+
+from flask import Blueprint, current_app
+
+bp = Blueprint("ui", __name__)
+
+# Defence in depth behind rendering replies as text: the page runs only its own scripts, loads
+# nothing from elsewhere, talks only to this server and cannot be framed.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+@bp.get("/")
+def show_chat_page():
+    """Serve the chat page under a strict content security policy."""
+    response = current_app.send_static_file("index.html")
+    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
+
+
+def init_app(app) -> None:
+    """Register the chat page."""
+    app.register_blueprint(bp)
