@@ -25,8 +25,15 @@ def substitute_once(pattern: str, replacement: str, text: str) -> str:
 
 
 def render_nginx_site(upstream_ports: list[int], listen_port: int, read_timeout: str | None = None) -> str:
-    """Return the shipped nginx site with the test's upstreams, listen port and stream read timeout."""
+    """Return the shipped nginx site with the test's upstreams, listen port and stream read timeout.
+
+    The stream route also ignores the service's `X-Accel-Buffering: no` header, so a test through it
+    shows that the config alone keeps nginx from buffering streams.
+    """
     text = NGINX_SITE.read_text()
+    text = substitute_once(
+        r"^(    location = /v1/chat/completions \{\n)", r"\1        proxy_ignore_headers X-Accel-Buffering;\n", text
+    )
     servers = "".join(f"    server 127.0.0.1:{port} max_fails=3 fail_timeout=10s;\n" for port in upstream_ports)
     text = substitute_once(r"^    server 127\.0\.0\.1:8000 .*;\n", servers, text)
     text = substitute_once(r"^    listen 80;$", f"    listen 127.0.0.1:{listen_port};", text)
@@ -36,7 +43,11 @@ def render_nginx_site(upstream_ports: list[int], listen_port: int, read_timeout:
 
 
 def write_nginx_main(work_dir: Path, site: Path) -> Path:
-    """Write a minimal nginx.conf that includes the site, with every path in work_dir."""
+    """Write a minimal nginx.conf that includes the site, with every path in work_dir.
+
+    It compresses every type, as a host's main config may (Debian's turns gzip on): the shipped
+    site must keep streams uncompressed, since gzip holds output back until its buffer fills.
+    """
     main = work_dir / "nginx.conf"
     temp_paths = "".join(
         f"    {kind}_temp_path {work_dir}/{kind}_temp;\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -44,7 +55,8 @@ def write_nginx_main(work_dir: Path, site: Path) -> Path:
     main.write_text(
         f"daemon off;\nworker_processes 1;\npid {work_dir}/nginx.pid;\nerror_log {work_dir}/error.log info;\n"
         f"events {{ worker_connections 256; }}\n"
-        f"http {{\n    access_log {work_dir}/access.log;\n{temp_paths}    include {site};\n}}\n"
+        f"http {{\n    access_log {work_dir}/access.log;\n    gzip on;\n    gzip_types *;\n    gzip_min_length 1;\n"
+        f"{temp_paths}    include {site};\n}}\n"
     )
     return main
 
