@@ -137,8 +137,8 @@ def test_unit_outwaits_gunicorns_graceful_timeout():
     assert unit_values("KillMode") == ["mixed"]
     assert int(unit_values("TimeoutStopSec")[0]) > Settings.model_fields["graceful_timeout"].default
     assert unit_values("Type") == ["notify"]
-    assert "PROMETHEUS_MULTIPROC_DIR=/run/corechat" in unit_values("Environment")
-    assert unit_values("RuntimeDirectory") == ["corechat"]
+    assert "PROMETHEUS_MULTIPROC_DIR=/run/corechat/metrics" in unit_values("Environment")
+    assert unit_values("RuntimeDirectory") == ["corechat corechat/metrics"]
     assert unit_values("CapabilityBoundingSet") == [""]
 
 
