@@ -74,10 +74,12 @@ fi
 
 host sh -c 'getent passwd corechat >/dev/null || useradd --system --user-group --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin corechat'
 
-# The code: replaced whole, so files removed upstream disappear here too.
+# The code (with any templates and static files under service/): replaced whole, so files removed
+# upstream disappear here too.
 rm -rf "$APP.new"
 install -d -m 0755 "$APP.new"
-(cd "$SOURCE" && find service -name '*.py' -print0; printf '%s\0' wsgi.py gunicorn.conf.py requirements.txt README.md) |
+(cd "$SOURCE" && find service -type f ! -path '*/__pycache__/*' -print0 | sort -z;
+    printf '%s\0' wsgi.py gunicorn.conf.py requirements.txt README.md) |
     while IFS= read -r -d '' file; do
         install -D -m 0644 "$SOURCE/$file" "$APP.new/$file"
     done

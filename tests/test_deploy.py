@@ -78,6 +78,19 @@ def test_install_twice_gives_the_same_tree(tmp_path):
     assert b"CHANGE-ME" not in env_text and b"CHANGE-ME" not in first["etc/redis/redis-corechat.conf"][1]
 
 
+def test_install_copies_every_file_the_service_needs(tmp_path):
+    root = tmp_path / "root"
+    install_into(root)
+    tracked = subprocess.run(
+        ["git", "ls-files", "service", "wsgi.py", "gunicorn.conf.py", "requirements.txt"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    ).stdout.split()
+    app = root / "opt/corechat/app"
+    assert tracked
+    for name in tracked:
+        assert (app / name).read_bytes() == (REPO / name).read_bytes(), name
+
+
 def test_install_keeps_the_operators_configuration(tmp_path):
     root = tmp_path / "root"
     install_into(root)
@@ -190,6 +203,7 @@ def test_redis_corechat_user_reaches_only_its_own_keys_and_commands(shipped_redi
     for forbidden in (
         lambda: cache.set("other:key", "x"),
         lambda: cache.keys("*"),
+        lambda: cache.scan(),
         lambda: cache.flushall(),
         lambda: cache.config_get("maxmemory"),
     ):
