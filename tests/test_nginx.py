@@ -72,6 +72,7 @@ def occupy_engine(url: str, finished: dict) -> threading.Thread:
     """Start a long non-streamed generation that holds the single engine slot, and wait until it runs."""
 
     def generate():
+        """Generate until the length cap and note when it ended."""
         requests.post(
             f"{url}/v1/chat/completions",
             json={"messages": USER, "max_tokens": 4000, "temperature": 0},
@@ -146,6 +147,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(tmp
         streaming = threading.Event()
 
         def stream():
+            """Stream a long reply through nginx, noting each line as it arrives."""
             with requests.post(
                 f"{nginx.url}/v1/chat/completions",
                 json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
