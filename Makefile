@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_MODEL_DIR ?= $(HOME)/.cache/corechat/demo-qwen2.5-0.5b
 DEMO_PRESET ?= qwen2.5-0.5b
-SYSTEM_PACKAGES := redis-server prometheus nginx chromium chromium-driver
+SYSTEM_PACKAGES := redis-server prometheus nginx chromium chromium-driver systemd
 APT_MARKER := $(VENV)/.apt-$(shell echo $(SYSTEM_PACKAGES) | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps serve demo-model test bench bench-quick clean

@@ -64,8 +64,9 @@ def pre_fork(server, worker):
 
 def post_worker_init(worker):
     """Set threads, pin, load and warm the model of this worker (after fork, in the worker)."""
-    from service.lifecycle import boot_worker
+    from service.lifecycle import boot_worker, refuse_connections_on_term
 
+    refuse_connections_on_term(worker)
     boot_worker(worker)
 
 

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 
 from .metrics import report_when_ready
 from .settings import physical_core_groups
@@ -46,3 +47,22 @@ def stop_worker(worker) -> None:
     core = worker.wsgi.extensions["corechat"] if hasattr(worker, "wsgi") else None
     if core is not None:
         core.engine.stop()
+
+
+def refuse_connections_on_term(worker) -> None:
+    """Make SIGTERM close this worker's listening sockets before it drains (after fork, in the worker).
+
+    On SIGTERM the master closes its listeners, but every worker holds inherited copies, so the
+    kernel kept completing new connections into a backlog that no one would accept: clients hung
+    until the worker exited and then got a reset. Closed here, new connections are refused at once
+    and go to another host, while the streams in flight finish within graceful_timeout.
+    """
+    drain = worker.handle_exit
+
+    def close_listeners_then_drain(signum, frame):
+        """Stop listening, then let Gunicorn's graceful exit run."""
+        for listener in worker.sockets:
+            listener.close()
+        drain(signum, frame)
+
+    signal.signal(signal.SIGTERM, close_listeners_then_drain)

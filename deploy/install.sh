@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Install corechat as a hardened systemd service; safe to run again (it converges, it never
+# overwrites the configuration an operator edited).
+#
+#   deploy/install.sh                     install on this host (as root) into /opt/corechat
+#   deploy/install.sh --root DIR          install into the staging root DIR: no user, no systemctl
+#   deploy/install.sh --root DIR --no-pip also skip `pip install` (an empty virtualenv)
+#
+# Lays out: PREFIX/app (the code), PREFIX/venv, /etc/corechat/corechat.env, the unit in
+# /etc/systemd/system, Redis in /etc/redis/redis-corechat.conf, nginx in /etc/nginx/conf.d, and the
+# model folder /srv/corechat/model (put the model's files there).
+set -euo pipefail
+
+usage() {
+    sed -n '2,11s/^# \{0,1\}//p' "$0"
+    exit "${1:-0}"
+}
+
+ROOT=""
+PREFIX=/opt/corechat
+PIP=1
+PYTHON=${PYTHON:-python3}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --root) ROOT=$(realpath -m "$2"); shift 2 ;;
+        --prefix) PREFIX=$2; shift 2 ;;
+        --no-pip) PIP=0; shift ;;
+        -h|--help) usage 0 ;;
+        *) echo "install.sh: unknown argument $1" >&2; usage 2 >&2 ;;
+    esac
+done
+
+SOURCE=$(cd "$(dirname "$0")/.." && pwd)
+APP="$ROOT$PREFIX/app"
+VENV="$ROOT$PREFIX/venv"
+
+# On the host, run it; in a staging root, say what would run.
+host() {
+    if [ -n "$ROOT" ]; then
+        echo "staging root, not run: $*"
+    else
+        "$@"
+    fi
+}
+
+# Install a configuration file once; later runs leave the operator's edits alone.
+install_config() {
+    local source=$1 target=$ROOT$2 mode=$3 group=$4
+    if [ -e "$target" ]; then
+        echo "kept $2 (exists)"
+        return
+    fi
+    install -D -m "$mode" "$source" "$target"
+    sed -i -e "s/CHANGE-ME-corechat-redis-password/$REDIS_PASSWORD/" \
+           -e "s/CHANGE-ME-admin-redis-password/$REDIS_ADMIN_PASSWORD/" "$target"
+    host chgrp "$group" "$target"
+    echo "installed $2"
+}
+
+# Reuse the passwords of an installed Redis config, so a new env file matches it.
+redis_password() {
+    local user=$1 conf=$ROOT/etc/redis/redis-corechat.conf
+    if [ -e "$conf" ]; then
+        sed -n "s/^user $user on >\([^ ]*\) .*/\1/p" "$conf"
+    else
+        head -c 24 /dev/urandom | base64 | tr -d '/+='
+    fi
+}
+
+if [ -z "$ROOT" ] && [ "$(id -u)" -ne 0 ]; then
+    echo "install.sh: run as root, or use --root DIR to stage" >&2
+    exit 1
+fi
+
+host sh -c 'getent passwd corechat >/dev/null || useradd --system --user-group --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin corechat'
+
+# The code (with any templates and static files under service/): replaced whole, so files removed
+# upstream disappear here too.
+rm -rf "$APP.new"
+install -d -m 0755 "$APP.new"
+(cd "$SOURCE" && find service -type f ! -path '*/__pycache__/*' -print0 | sort -z;
+    printf '%s\0' wsgi.py gunicorn.conf.py requirements.txt README.md) |
+    while IFS= read -r -d '' file; do
+        install -D -m 0644 "$SOURCE/$file" "$APP.new/$file"
+    done
+rm -rf "$APP"
+mv "$APP.new" "$APP"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if [ "$PIP" = 1 ]; then "$PYTHON" -m venv "$VENV"; else "$PYTHON" -m venv --without-pip "$VENV"; fi
+fi
+if [ "$PIP" = 1 ]; then
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -r "$APP/requirements.txt"
+    "$VENV/bin/python" -m compileall -q "$APP"
+fi
+
+REDIS_PASSWORD=$(redis_password corechat)
+REDIS_ADMIN_PASSWORD=$(redis_password admin)
+install_config "$SOURCE/deploy/corechat.env.example" /etc/corechat/corechat.env 0640 corechat
+install_config "$SOURCE/deploy/redis/corechat.conf" /etc/redis/redis-corechat.conf 0640 redis
+install_config "$SOURCE/deploy/nginx/corechat.conf" /etc/nginx/conf.d/corechat.conf 0644 root
+# The unit is ours, not the operator's: always the shipped one (change it with drop-ins).
+install -D -m 0644 "$SOURCE/deploy/systemd/corechat.service" "$ROOT/etc/systemd/system/corechat.service"
+install -d -m 0755 "$ROOT/srv/corechat/model"
+
+host systemctl daemon-reload
+host systemctl enable --now redis-server@corechat.service
+host systemctl enable corechat.service
+host systemctl restart corechat.service
+host sh -c 'nginx -t && systemctl reload nginx'
+echo "corechat installed in $ROOT$PREFIX"

@@ -1,0 +1,213 @@
+"""The deploy/ files, each checked by the real tool that understands it."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from deploy_support import (
+    DEPLOY,
+    REDIS_ADMIN_PASSWORD,
+    ShippedRedis,
+    nginx_binary,
+    render_nginx_site,
+    write_nginx_main,
+)
+from service.settings import Settings
+from support import REPO
+
+UNIT = DEPLOY / "systemd" / "corechat.service"
+INSTALL = DEPLOY / "install.sh"
+
+
+def unit_values(key: str) -> list[str]:
+    """Return every value the shipped unit gives a key, in order."""
+    return re.findall(rf"^{key}=(.*)$", UNIT.read_text(), flags=re.MULTILINE)
+
+
+def install_into(root: Path) -> subprocess.CompletedProcess:
+    """Run install.sh into a staging root, without pip (the test machine's venv stands in)."""
+    return subprocess.run(
+        ["bash", str(INSTALL), "--root", str(root), "--no-pip"], capture_output=True, text=True, check=True
+    )
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Return every path under root with its mode and its content (or symlink target)."""
+    tree = {}
+    for path in sorted(root.rglob("*")):
+        stat = path.lstat()
+        if path.is_symlink():
+            content = os.readlink(path)
+        elif path.is_file():
+            content = path.read_bytes()
+        else:
+            content = None
+        tree[str(path.relative_to(root))] = (stat.st_mode, content)
+    return tree
+
+
+def test_env_example_lists_every_setting_as_generated():
+    generated = subprocess.run(
+        [sys.executable, str(DEPLOY / "gen_env_example.py")], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    committed = (DEPLOY / "corechat.env.example").read_text()
+    assert committed == generated, "regenerate: python deploy/gen_env_example.py > deploy/corechat.env.example"
+    for name in Settings.model_fields:
+        assert re.search(rf"^#?{name.upper()}=", committed, flags=re.MULTILINE), name
+
+
+def test_install_twice_gives_the_same_tree(tmp_path):
+    root = tmp_path / "root"
+    first_run = install_into(root)
+    first = snapshot(root)
+    install_into(root)
+    assert snapshot(root) == first
+    assert "staging root, not run: systemctl daemon-reload" in first_run.stdout
+    for path in ("opt/corechat/app/wsgi.py", "opt/corechat/app/service/settings.py", "opt/corechat/venv/bin/python",
+                 "etc/systemd/system/corechat.service", "etc/corechat/corechat.env",
+                 "etc/redis/redis-corechat.conf", "etc/nginx/conf.d/corechat.conf", "srv/corechat/model"):
+        assert path in first, path
+    env_mode, env_text = first["etc/corechat/corechat.env"]
+    assert env_mode & 0o777 == 0o640
+    assert b"CHANGE-ME" not in env_text and b"CHANGE-ME" not in first["etc/redis/redis-corechat.conf"][1]
+
+
+def test_install_copies_every_file_the_service_needs(tmp_path):
+    root = tmp_path / "root"
+    install_into(root)
+    tracked = subprocess.run(
+        ["git", "ls-files", "service", "wsgi.py", "gunicorn.conf.py", "requirements.txt"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    ).stdout.split()
+    app = root / "opt/corechat/app"
+    assert tracked
+    for name in tracked:
+        assert (app / name).read_bytes() == (REPO / name).read_bytes(), name
+
+
+def test_install_keeps_the_operators_configuration(tmp_path):
+    root = tmp_path / "root"
+    install_into(root)
+    env_file = root / "etc/corechat/corechat.env"
+    env_file.write_text("MODEL=/srv/models/mine\n")
+    install_into(root)
+    assert env_file.read_text() == "MODEL=/srv/models/mine\n"
+
+
+def provide_in_root(root: Path, path: str) -> None:
+    """Make `path` executable inside root as the host has it, following symlinks inside root."""
+    for _ in range(40):
+        staged = root / path.lstrip("/")
+        if staged.is_symlink():
+            target = os.readlink(staged)
+            path = target if target.startswith("/") else str(Path(path).parent / target)
+        elif staged.exists():
+            return
+        else:
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(os.path.realpath(path), staged)
+            return
+    raise RuntimeError(f"symlink loop at {path}")
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path):
+    """Verify the shipped unit as installed, in a staging root holding only what it refers to."""
+    root = tmp_path / "root"
+    install_into(root)
+    units = root / "lib/systemd/system"
+    units.mkdir(parents=True)
+    for target in Path("/lib/systemd/system").glob("*.target"):
+        shutil.copy(target, units)
+    (root / "bin").symlink_to("usr/bin")
+    for command in ("/opt/corechat/venv/bin/python", "/usr/bin/kill"):
+        provide_in_root(root, command)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", "/etc/systemd/system/corechat.service"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
+
+
+def test_unit_exposure_score_is_at_most_2():
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(UNIT)], capture_output=True, text=True
+    )
+    score = re.search(r"Overall exposure level for corechat\.service: ([\d.]+)", result.stdout)
+    assert score, result.stdout + result.stderr
+    assert float(score.group(1)) <= 2.0, result.stdout
+    assert f"rates this unit {score.group(1)} OK" in UNIT.read_text(), "update the score quoted in the unit"
+
+
+def test_unit_outwaits_gunicorns_graceful_timeout():
+    """systemd must not SIGKILL workers that are still draining streams."""
+    assert unit_values("KillMode") == ["mixed"]
+    assert int(unit_values("TimeoutStopSec")[0]) > Settings.model_fields["graceful_timeout"].default
+    assert unit_values("Type") == ["notify"]
+    assert "PROMETHEUS_MULTIPROC_DIR=/run/corechat/metrics" in unit_values("Environment")
+    assert unit_values("RuntimeDirectory") == ["corechat corechat/metrics"]
+    assert unit_values("CapabilityBoundingSet") == [""]
+
+
+def test_nginx_accepts_the_shipped_config(tmp_path):
+    site = tmp_path / "corechat.conf"
+    site.write_text((DEPLOY / "nginx" / "corechat.conf").read_text())
+    main = write_nginx_main(tmp_path, site)
+    result = subprocess.run(
+        [nginx_binary(), "-t", "-c", str(main), "-e", str(tmp_path / "error.log")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+
+
+def test_nginx_config_can_list_several_hosts():
+    site = render_nginx_site([8001, 8002], 8080, read_timeout="2s")
+    assert "server 127.0.0.1:8001" in site and "server 127.0.0.1:8002" in site
+    assert "least_conn;" in site
+
+
+@pytest.fixture()
+def shipped_redis(tmp_path):
+    """Run redis-server from the shipped config."""
+    server = ShippedRedis(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def test_redis_runs_the_shipped_config_as_an_lru_cache(shipped_redis):
+    admin = redis.Redis.from_url(shipped_redis.url("admin", REDIS_ADMIN_PASSWORD))
+    assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+    assert admin.config_get("save") == {"save": ""}
+    assert admin.config_get("appendonly") == {"appendonly": "no"}
+    assert admin.config_get("protected-mode") == {"protected-mode": "yes"}
+    assert int(admin.config_get("maxmemory")["maxmemory"]) > 0
+
+
+def test_redis_corechat_user_reaches_only_its_own_keys_and_commands(shipped_redis):
+    cache = redis.Redis.from_url(shipped_redis.url())
+    assert cache.ping()
+    assert cache.set("corechat:reply", "x", nx=True, px=60000)
+    assert cache.get("corechat:reply") == b"x"
+    assert cache.expire("corechat:reply", 30)
+    stream_id = cache.xadd("corechat:stream", {"text": "hi"})
+    assert cache.xrange("corechat:stream") == [(stream_id, {b"text": b"hi"})]
+    assert cache.xread({"corechat:stream": "0"}, block=10)
+    assert cache.eval("return redis.call('GET', KEYS[1])", 1, "corechat:reply") == b"x"
+    assert cache.delete("corechat:reply", "corechat:stream") == 2
+    for forbidden in (
+        lambda: cache.set("other:key", "x"),
+        lambda: cache.keys("*"),
+        lambda: cache.scan(),
+        lambda: cache.flushall(),
+        lambda: cache.config_get("maxmemory"),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(port=shipped_redis.port).ping()

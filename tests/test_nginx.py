@@ -1,0 +1,175 @@
+"""End to end through the shipped nginx config, started on loopback in front of real Gunicorn."""
+
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+from deploy_support import NginxServer
+from support import GunicornServer
+
+USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
+# nginx's read timeout for the stream route in these tests, and the ping interval well inside it.
+READ_TIMEOUT_SECONDS = 2
+PING_SECONDS = 0.5
+# Long generations end at this cap (finish_reason "length"), which keeps the tests' duration bounded.
+GENERATION_CAP_SECONDS = 5
+
+
+def start_stack(tmp_path_factory, tiny_model_dir, **settings):
+    """Start one single-worker Gunicorn and nginx in front of it; return both."""
+    gunicorn = GunicornServer(
+        tmp_path_factory.mktemp("gunicorn"),
+        workers=1,
+        model=tiny_model_dir,
+        model_name="tiny",
+        max_model_len=4096,
+        sse_ping_seconds=PING_SECONDS,
+        max_generation_seconds=GENERATION_CAP_SECONDS,
+        **settings,
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = gunicorn.log_path.parent / "notify"
+    notify.bind(str(notify_path))
+    gunicorn.env["NOTIFY_SOCKET"] = str(notify_path)
+    gunicorn.start()
+    notify.settimeout(10)
+    gunicorn.notifications = notify.recv(4096).decode()
+    notify.close()
+    nginx = NginxServer(tmp_path_factory.mktemp("nginx"), [gunicorn.port], read_timeout=f"{READ_TIMEOUT_SECONDS}s")
+    return gunicorn, nginx.start()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    """Gunicorn (one worker, one running sequence) behind the shipped nginx config."""
+    gunicorn, nginx = start_stack(tmp_path_factory, tiny_model_dir, max_running=1)
+    yield gunicorn, nginx
+    nginx.stop()
+    gunicorn.stop()
+
+
+def read_stream(response, events: list, on_first_data=None) -> None:
+    """Append (kind, arrival time) for every SSE line of a response as it arrives."""
+    for line in response.iter_lines(decode_unicode=True):
+        now = time.monotonic()
+        if line.startswith(": ping"):
+            events.append(("ping", now))
+        elif line == "data: [DONE]":
+            events.append(("done", now))
+        elif line.startswith("data: "):
+            kind = "content" if '"content":""' not in line and '"content"' in line else "data"
+            events.append((kind, now))
+            if on_first_data:
+                on_first_data()
+                on_first_data = None
+
+
+def occupy_engine(url: str, finished: dict) -> threading.Thread:
+    """Start a long non-streamed generation that holds the single engine slot, and wait until it runs."""
+
+    def generate():
+        """Generate until the length cap and note when it ended."""
+        requests.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 4000, "temperature": 0},
+            timeout=60,
+        )
+        finished["at"] = time.monotonic()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while requests.get(f"{url}/readyz", timeout=5).json()["running"] < 1:
+        assert time.monotonic() < deadline, "the occupying generation never started"
+        time.sleep(0.05)
+    return thread
+
+
+def test_gunicorn_tells_systemd_it_is_ready(stack):
+    gunicorn, _ = stack
+    assert "READY=1" in gunicorn.notifications
+
+
+def test_queued_stream_is_unbuffered_and_kept_alive_by_pings_past_the_read_timeout(stack):
+    """The stream waits behind another generation for longer than nginx's read timeout.
+
+    Its first chunk reaches the client while it still waits (nginx does not buffer), and the `: ping`
+    comments keep nginx from cutting the silent connection with a 504.
+    """
+    gunicorn, nginx = stack
+    occupier_finished = {}
+    occupier = occupy_engine(gunicorn.url, occupier_finished)
+    events = []
+    with requests.post(
+        f"{nginx.url}/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 50, "stream": True},
+        stream=True,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200, response.text
+        read_stream(response, events)
+    occupier.join()
+    kinds = [kind for kind, _ in events]
+    first_data_at = next(at for kind, at in events if kind == "data")
+    first_content_at = next(at for kind, at in events if kind == "content")
+    assert first_data_at < occupier_finished["at"], "the first chunk was held back until the generation ahead ended"
+    assert first_content_at - first_data_at > READ_TIMEOUT_SECONDS, "the stream did not wait long enough to test"
+    assert kinds.count("ping") >= 2
+    assert kinds[-1] == "done"
+
+
+def test_stream_first_chunk_arrives_long_before_generation_ends(stack):
+    _, nginx = stack
+    events = []
+    with requests.post(
+        f"{nginx.url}/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+        stream=True,
+        timeout=60,
+    ) as response:
+        read_stream(response, events)
+    contents = [at for kind, at in events if kind == "content"]
+    assert events[-1][0] == "done"
+    assert len(contents) >= 3
+    # The first token arrives in the first half of the stream's life, not in one burst at its end.
+    started_at, ended_at = events[0][1], events[-1][1]
+    assert contents[0] - started_at < 0.5 * (ended_at - started_at)
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(tmp_path_factory, tiny_model_dir):
+    gunicorn, nginx = start_stack(tmp_path_factory, tiny_model_dir)
+    try:
+        events = []
+        streaming = threading.Event()
+
+        def stream():
+            """Stream a long reply through nginx, noting each line as it arrives."""
+            with requests.post(
+                f"{nginx.url}/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+                stream=True,
+                timeout=60,
+            ) as response:
+                read_stream(response, events, on_first_data=streaming.set)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert streaming.wait(30)
+        gunicorn.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert thread.is_alive(), "the stream ended at SIGTERM instead of draining"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", gunicorn.port), timeout=2).close()
+        assert requests.get(f"{nginx.url}/v1/models", timeout=10).status_code == 502
+        thread.join(60)
+        assert gunicorn.process.wait(60) == 0
+        kinds = [kind for kind, _ in events]
+        assert kinds[-1] == "done", gunicorn.log()
+        assert "content" in kinds
+    finally:
+        nginx.stop()
+        gunicorn.stop()
