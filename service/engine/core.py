@@ -327,6 +327,8 @@ class Engine:
                 continue
             generation.send(Started(time.monotonic() - generation.submitted_at))
             sequence = self._begin(generation)
+            # Counted before its first token goes out, so a client that saw a token sees it running.
+            self._running = len(active) + len(joining) + 1
             if self._prefill(sequence):
                 joining.append(sequence)
             self._running = len(active) + len(joining)
