@@ -8,8 +8,6 @@ a client that gave up would keep an engine slot busy until its last token.
 import logging
 import socket
 
-from .engine import Failed, Finished
-
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
@@ -46,6 +44,8 @@ class WatchedSource:
 
     def events(self):
         """Yield every event up to the last, cancelling the source once the client is gone."""
+        from .engine import Failed, Finished  # here, not at the top: Gunicorn's master must not load torch
+
         cancelled = False
         while True:
             event = self.source.next_event(timeout=POLL_SECONDS)

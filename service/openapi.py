@@ -21,7 +21,37 @@ USAGE = {
     "properties": {name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
 }
 FINISH_REASON = {"enum": ["stop", "length", "cancelled"]}
-COMPLETION_ID = {"type": "string", "pattern": "^chatcmpl-"}
+
+
+
+def _completion_header(object_name: str) -> dict:
+    """Describe the fields a completion and a chunk share."""
+    return {
+        "id": {"type": "string", "pattern": "^chatcmpl-"},
+        "object": {"const": object_name},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "system_fingerprint": NULLABLE_STRING,
+    }
+
+
+def _one_choice(content_field: str, content_schema: dict, finish_reason: dict) -> dict:
+    """Describe a `choices` array of at most one choice carrying a message or a delta."""
+    return {
+        "type": "array",
+        "maxItems": 1,
+        "items": {
+            "type": "object",
+            "required": ["index", content_field, "finish_reason"],
+            "properties": {
+                "index": {"const": 0},
+                content_field: {"type": "object", **content_schema},
+                "logprobs": {"type": "null"},
+                "finish_reason": finish_reason,
+            },
+        },
+    }
+
 
 RESPONSE_SCHEMAS = {
     "Error": {
@@ -47,29 +77,14 @@ RESPONSE_SCHEMAS = {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage"],
         "properties": {
-            "id": COMPLETION_ID,
-            "object": {"const": "chat.completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "system_fingerprint": NULLABLE_STRING,
+            **_completion_header("chat.completion"),
             "choices": {
-                "type": "array",
                 "minItems": 1,
-                "maxItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["index", "message", "finish_reason"],
-                    "properties": {
-                        "index": {"const": 0},
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-                        },
-                        "logprobs": {"type": "null"},
-                        "finish_reason": FINISH_REASON,
-                    },
-                },
+                **_one_choice(
+                    "message",
+                    {"required": ["role", "content"], "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                    FINISH_REASON,
+                ),
             },
             "usage": {"$ref": REF.format(model="Usage")},
         },
@@ -80,29 +95,12 @@ RESPONSE_SCHEMAS = {
         "keep it alive while waiting. An error after the first event arrives as an Error object event.",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {
-            "id": COMPLETION_ID,
-            "object": {"const": "chat.completion.chunk"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "system_fingerprint": NULLABLE_STRING,
-            "choices": {
-                "type": "array",
-                "maxItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["index", "delta", "finish_reason"],
-                    "properties": {
-                        "index": {"const": 0},
-                        "delta": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-                        },
-                        "logprobs": {"type": "null"},
-                        "finish_reason": {"anyOf": [FINISH_REASON, {"type": "null"}]},
-                    },
-                },
-            },
+            **_completion_header("chat.completion.chunk"),
+            "choices": _one_choice(
+                "delta",
+                {"additionalProperties": False, "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                {"anyOf": [FINISH_REASON, {"type": "null"}]},
+            ),
             "usage": {"anyOf": [{"$ref": REF.format(model="Usage")}, {"type": "null"}]},
         },
     },

@@ -99,5 +99,6 @@ def test_arbitrary_bytes_get_no_5xx(fuzz_client, raw):
 @FUZZ
 @given(path=st.text(alphabet="/abcdefghijklmnopqrstuvwxyz0123456789.-_%", max_size=30), method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
 def test_arbitrary_routes_and_methods_get_no_5xx(fuzz_client, path, method):
-    response = fuzz_client.open("/" + path, method=method)
+    # A leading "//" would make Flask's test client read a host name from the path.
+    response = fuzz_client.open("/" + path.lstrip("/"), method=method)
     assert response.status_code < 500, response.get_data(as_text=True)

@@ -1,0 +1,228 @@
+"""A bounded soak: a fixed mixed workload against real Gunicorn (2 workers) on loopback, then a verdict.
+
+The mix: streams, whole replies, identical greedy requests (cache hits once a cache is on), clients
+that hang up mid-stream, and invalid requests. It passes with zero 5xx, zero hung requests, worker
+RSS flat between the end of the warm-up and the end, and nothing running or queued at the end.
+
+    python bench/soak.py            # 800 requests
+    python bench/soak.py --quick    # 60 requests, as the test suite runs it
+"""
+
+import argparse
+import json
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from support import GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
+
+from service.devmodel import build_dev_model  # noqa: E402
+
+VERDICTS = {True: "pass", False: "FAIL", None: "not judged (run too short)"}
+MIN_REQUESTS_FOR_RSS = 200
+ROUNDS = 4  # RSS is sampled after the warm-up and after each quarter of the measured requests
+KINDS = {"stream": 3, "whole": 3, "repeat": 2, "hang_up": 1, "invalid": 1}
+GREEDY = {"messages": [{"role": "user", "content": "The same question, again."}], "temperature": 0}
+INVALID_BODIES = [
+    (b'{"messages": [', "application/json"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}', "application/json"),
+    (b'{"messages": "hi"}', "application/json"),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "application/json"),
+    (b"messages=hi", "application/x-www-form-urlencoded"),
+]
+
+
+def chat_body(rng: random.Random, max_tokens: int) -> dict:
+    """Return a sampled chat request body."""
+    words = " ".join(rng.choice(["cpu", "cache", "token", "stream", "worker", "queue"]) for _ in range(rng.randint(1, 30)))
+    return {"messages": [{"role": "user", "content": words}], "max_tokens": max_tokens, "seed": rng.randint(0, 10**6)}
+
+
+def run_one(url: str, port: int, kind: str, rng: random.Random, max_tokens: int, timeout: float) -> dict:
+    """Send one request of a kind; return its outcome: status, seconds, whether it hung."""
+    began = time.monotonic()
+    endpoint = f"{url}/v1/chat/completions"
+    try:
+        if kind == "stream":
+            with requests.post(endpoint, json={**chat_body(rng, max_tokens), "stream": True}, stream=True, timeout=timeout) as response:
+                body = b"".join(response.iter_content(None))
+                status = response.status_code if response.status_code != 200 or body.endswith(b"data: [DONE]\n\n") else 0
+        elif kind == "whole":
+            status = requests.post(endpoint, json=chat_body(rng, max_tokens), timeout=timeout).status_code
+        elif kind == "repeat":
+            status = requests.post(endpoint, json={**GREEDY, "max_tokens": max_tokens}, timeout=timeout).status_code
+        elif kind == "hang_up":
+            status = hang_up_mid_stream(port, chat_body(rng, 4000), timeout)
+        else:
+            data, content_type = rng.choice(INVALID_BODIES)
+            status = requests.post(endpoint, data=data, headers={"Content-Type": content_type}, timeout=timeout).status_code
+        hung = False
+    except (requests.Timeout, socket.timeout):
+        status, hung = None, True
+    return {"kind": kind, "status": status, "seconds": time.monotonic() - began, "hung": hung}
+
+
+def hang_up_mid_stream(port: int, body: dict, timeout: float) -> int:
+    """Start a stream, read until its first generated token, then close the connection."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+        received = b""
+        while b'"delta":{"content":"' not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    return int(received[9:12]) if received.startswith(b"HTTP/1.1 ") else 0
+
+
+def worker_rss_mb(server: GunicornServer) -> dict[int, float]:
+    """Return each worker's resident set size in MiB."""
+    sizes = {}
+    for pid in server.worker_pids():
+        status = Path(f"/proc/{pid}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        sizes[pid] = kib / 1024
+    return sizes
+
+
+def queues_drained(server: GunicornServer, timeout: float = 30) -> dict[int, dict]:
+    """Wait until every worker runs and queues nothing; return each worker's running and waiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        facts = {}
+        for _ in range(40):
+            body = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=10).json()
+            facts[body["worker_pid"]] = {"running": body["running"], "waiting": body["waiting"]}
+            if len(facts) == server.workers:
+                break
+        idle = all(fact["running"] + fact["waiting"] == 0 for fact in facts.values())
+        if idle or time.monotonic() > deadline:
+            return facts
+        time.sleep(0.2)
+
+
+def run_phase(server, kinds: list[str], rng: random.Random, args) -> list[dict]:
+    """Run a list of requests with bounded concurrency and return their outcomes."""
+    seeds = [rng.randint(0, 2**32) for _ in kinds]
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        futures = [
+            pool.submit(run_one, server.url, server.port, kind, random.Random(seed), args.max_tokens, args.timeout)
+            for kind, seed in zip(kinds, seeds)
+        ]
+        return [future.result() for future in futures]
+
+
+def soak(args) -> dict:
+    """Run the warm-up and the soak and return the report."""
+    rng = random.Random(args.seed)
+    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=args.requests)
+    warmup_count = max(len(KINDS), args.requests // 5)
+    model_dir = build_dev_model(Path.home() / ".cache" / "corechat" / "test-tiny", preset="tiny")
+    work_dir = args.out / "soak-logs.tmp"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    server = GunicornServer(work_dir, workers=2, model=model_dir, model_name="tiny", sse_ping_seconds=0.5)
+    server.start()
+    try:
+        began = time.monotonic()
+        warmup = run_phase(server, kinds[:warmup_count], rng, args)
+        queues_drained(server)
+        rss_after_warmup = worker_rss_mb(server)
+        outcomes, rss_series = [], [rss_after_warmup]
+        measured = kinds[warmup_count:]
+        for start in range(0, len(measured), -(-len(measured) // ROUNDS)):
+            outcomes += run_phase(server, measured[start : start + -(-len(measured) // ROUNDS)], rng, args)
+            rss_series.append(worker_rss_mb(server))
+        final_queues = queues_drained(server)
+        rss_at_end = worker_rss_mb(server)
+        elapsed = time.monotonic() - began
+    finally:
+        server.stop()
+    everything = warmup + outcomes
+    statuses = Counter(str(outcome["status"]) for outcome in everything)
+    # The first half still grows the allocator's pools (new prompt lengths, new threads) towards a
+    # plateau; a leak keeps growing, so flatness is judged over the second half.
+    settled = rss_series[ROUNDS // 2]
+    growth = {pid: rss_at_end.get(pid, 0) - rss for pid, rss in settled.items()}
+    checks = {
+        "no_5xx": sum(count for status, count in statuses.items() if status.startswith("5")) == 0,
+        "no_hung_requests": not any(outcome["hung"] for outcome in everything),
+        "every_stream_complete": statuses.get("0", 0) == 0,
+        "queues_back_to_zero": all(fact["running"] + fact["waiting"] == 0 for fact in final_queues.values()),
+        "same_workers_throughout": set(rss_after_warmup) == set(rss_at_end),
+        # A run too short for the allocator to settle cannot tell a leak from warm-up: not judged.
+        "rss_flat": max(growth.values()) <= args.rss_growth_limit_mb if args.requests >= MIN_REQUESTS_FOR_RSS else None,
+    }
+    return {
+        "requests": len(everything),
+        "warmup_requests": warmup_count,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "seconds": round(elapsed, 1),
+        "by_kind": {kind: sum(1 for outcome in everything if outcome["kind"] == kind) for kind in KINDS},
+        "statuses": dict(sorted(statuses.items())),
+        "slowest_seconds": round(max(outcome["seconds"] for outcome in everything), 2),
+        "rss_after_warmup_mb": {str(pid): round(rss, 1) for pid, rss in rss_after_warmup.items()},
+        "rss_at_end_mb": {str(pid): round(rss, 1) for pid, rss in rss_at_end.items()},
+        "rss_growth_mb": {str(pid): round(delta, 1) for pid, delta in growth.items()},
+        "rss_growth_limit_mb": args.rss_growth_limit_mb,
+        "rss_series_mb": [{str(pid): round(rss, 1) for pid, rss in sample.items()} for sample in rss_series],
+        "final_queues": {str(pid): fact for pid, fact in final_queues.items()},
+        "checks": checks,
+        "passed": all(passed is not False for passed in checks.values()),
+    }
+
+
+def render_table(report: dict) -> str:
+    """Render the report as a Markdown table."""
+    rows = [
+        ("requests (warm-up)", f"{report['requests']} ({report['warmup_requests']})"),
+        ("by kind", ", ".join(f"{kind} {count}" for kind, count in report["by_kind"].items())),
+        ("statuses (0 = stream cut short)", ", ".join(f"{status}: {count}" for status, count in report["statuses"].items())),
+        ("seconds / slowest request", f"{report['seconds']} / {report['slowest_seconds']}"),
+        ("worker RSS after warm-up, MiB", ", ".join(map(str, report["rss_after_warmup_mb"].values()))),
+        ("worker RSS at end, MiB", ", ".join(map(str, report["rss_at_end_mb"].values()))),
+        ("RSS per quarter, MiB", " → ".join("/".join(map(str, sample.values())) for sample in report["rss_series_mb"])),
+        ("RSS growth over the second half, MiB (limit)", f"{', '.join(map(str, report['rss_growth_mb'].values()))} ({report['rss_growth_limit_mb']})"),
+        *((check, VERDICTS[passed]) for check, passed in report["checks"].items()),
+    ]
+    return "\n".join(["| soak | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+
+
+def main() -> int:
+    """Parse arguments, soak, print and write the report; exit 1 if a check failed."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--quick", action="store_true", help="60 requests, for the test suite")
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds after which a request counts as hung")
+    parser.add_argument("--rss-growth-limit-mb", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.max_tokens = 60, 4
+    report = soak(args)
+    table = render_table(report)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "soak.md").write_text(table + "\n")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
