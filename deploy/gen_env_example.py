@@ -1,7 +1,8 @@
 """Write deploy/corechat.env.example from the Settings class: every setting, its default, its description.
 
 Run `python deploy/gen_env_example.py > deploy/corechat.env.example` after adding a setting; a test
-checks that the committed file is what this prints.
+checks that the committed file is what this prints. With `--markdown` it prints the configuration
+table of the README instead (between its `<!-- settings -->` markers, also checked by a test).
 """
 
 import sys
@@ -53,5 +54,14 @@ def render_env_example() -> str:
     return "\n".join(blocks)
 
 
+def render_markdown_table() -> str:
+    """Return the README's table of every setting: variable, default, meaning."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = render_value(field.default) or "(empty)"
+        rows.append(f"| `{name.upper()}` | `{default}` | {field.description or ''} |")
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render_env_example())
+    sys.stdout.write(render_markdown_table() if "--markdown" in sys.argv[1:] else render_env_example())

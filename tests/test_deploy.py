@@ -52,6 +52,19 @@ def snapshot(root: Path) -> dict[str, tuple]:
     return tree
 
 
+def test_readme_settings_table_is_as_generated():
+    generated = subprocess.run(
+        [sys.executable, str(DEPLOY / "gen_env_example.py"), "--markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    ).stdout
+    readme = (REPO / "README.md").read_text()
+    committed = readme.split("<!-- settings -->\n", 1)[1].split("<!-- /settings -->", 1)[0]
+    assert committed == generated, "regenerate the README table: python deploy/gen_env_example.py --markdown"
+
+
 def test_env_example_lists_every_setting_as_generated():
     generated = subprocess.run(
         [sys.executable, str(DEPLOY / "gen_env_example.py")], capture_output=True, text=True, check=True, cwd=REPO
