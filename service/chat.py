@@ -89,13 +89,9 @@ class ChatCompletions:
                 f"tokens do not fit the model's context of {context} tokens",
                 param=param,
             )
-        defaults = self.engine.generation_defaults
-        sampling_default = getattr(defaults, "do_sample", False)
-        temperature = request.temperature
-        if temperature is None:
-            temperature = float(defaults.temperature or 1.0) if sampling_default else 1.0
-        top_p = request.top_p if request.top_p is not None else float(defaults.top_p or 1.0) if sampling_default else 1.0
-        top_k = request.top_k if request.top_k is not None else int(defaults.top_k or 0) if sampling_default else 0
+        temperature = self._or_model_default(request.temperature, "temperature", 1.0)
+        top_p = self._or_model_default(request.top_p, "top_p", 1.0)
+        top_k = self._or_model_default(request.top_k, "top_k", 0)
         return SamplingParams(
             max_tokens=asked if asked is not None else min(self.settings.default_max_tokens, room),
             temperature=temperature,
@@ -106,6 +102,14 @@ class ChatCompletions:
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
         )
+
+    def _or_model_default(self, asked, name: str, openai_default):
+        """Return a sampling value the request gave, else the model's generation config's, else OpenAI's."""
+        if asked is not None:
+            return asked
+        defaults = self.engine.generation_defaults
+        configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
+        return openai_default if configured is None else type(openai_default)(configured)
 
     def start(self, prepared: PreparedChat):
         """Queue the generation, or raise 503 before anything was sent."""

@@ -259,3 +259,13 @@ def test_unknown_route_and_method_use_the_error_shape(client):
     response = client.get("/v1/chat/completions")
     assert response.status_code == 405
     assert response.get_json()["error"]["type"] == "invalid_request_error"
+
+
+def test_omitted_sampling_fields_take_the_models_generation_config(app):
+    from service.schemas import parse_chat_request
+
+    chat = app.extensions["corechat"].chat
+    omitted = chat.prepare(parse_chat_request({"messages": USER})).params
+    assert (omitted.temperature, omitted.top_p, omitted.top_k) == (0.7, 0.8, 20)  # Qwen2.5's generation_config
+    given = chat.prepare(parse_chat_request({"messages": USER, "temperature": 0, "top_p": 0.5, "top_k": 3})).params
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.5, 3)
