@@ -16,6 +16,7 @@ from .loading import (
     load_tokenizer,
     model_fingerprint,
     resolve_model_dir,
+    return_freed_memory,
 )
 from .batching import DecodeBatch
 from .int8 import apply_int8
@@ -207,6 +208,7 @@ class Engine:
             self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
             self._fail_pending()
             return
+        return_freed_memory()
         self.facts.update(state="ready", requests_finished=0)
         self._ready.set()
         self._serve()
