@@ -113,3 +113,28 @@ def test_int8_weights_are_converted_once_into_a_shared_file_and_generate(make_se
         assert finished.completion_tokens == 12 and finished.finish_reason == "length"
     finally:
         engine.stop()
+
+
+def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_dir, tmp_path):
+    """Engines starting together convert once and map the same inode (none maps a replaced file)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-int8-*"))
+    engines = [Engine(make_settings(model=str(model_dir), dtype="int8")) for _ in range(2)]
+    threads = [threading.Thread(target=engine.start) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert all(engine.wait_ready(120) for engine in engines)
+        converted = {engine.facts["int8_weights"] for engine in engines}
+        assert len(converted) == 1
+        with open("/proc/self/maps") as maps:
+            mappings = [line.split() for line in maps if str(model_dir) in line and "corechat-int8" in line]
+        assert mappings and all(len(fields) == 6 for fields in mappings), "a worker maps a replaced (deleted) file"
+        assert len({fields[4] for fields in mappings}) == 1
+    finally:
+        for engine in engines:
+            engine.stop()

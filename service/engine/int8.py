@@ -6,6 +6,7 @@ matrix product is torch's `_weight_int8pack_mm` (bf16 activations, int8 weights)
 half the bytes of bf16 per decoded token.
 """
 
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -81,8 +82,6 @@ def convert_to_int8(model_dir: Path, model, target: Path) -> None:
             source = state[EMBEDDING]  # tied output layer
         rows, scales = quantize_rows(source)
         tensors[weight_name + INT8_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = rows, scales
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Workers may convert at the same time; each writes its own file and the rename is atomic.
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     save_file(tensors, str(temporary))
     os.chmod(temporary, 0o644)
@@ -92,9 +91,15 @@ def convert_to_int8(model_dir: Path, model, target: Path) -> None:
 def apply_int8(model, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
     """Swap every Linear of a loaded bf16 model for an Int8Linear over the mapped int8 file."""
     target = int8_file_for(model_dir, converted_dir, fingerprint)
-    if not target.is_file():
-        log.info("converting the weights to int8 once, into %s", target)
-        convert_to_int8(model_dir, model, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Workers start together: one converts while the others wait, then all map the same file.
+    # Each converting on its own and renaming over the other's would leave workers mapping
+    # different inodes, and so holding one copy each instead of sharing one.
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            log.info("converting the weights to int8 once, into %s", target)
+            convert_to_int8(model_dir, model, target)
     tensors = map_safetensors(target)
     for module_name, weight_name in int8_weight_names(model).items():
         parent_name, _, child = module_name.rpartition(".")
