@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_gunicorn import ready_facts
 
 from service import metrics
+from service.cache import EventSource, Flight
+from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
 from service.observed import ObservedGeneration
 
@@ -286,40 +288,28 @@ def local_value(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-class ReplaySource:
-    """A finished reply played back without the engine, as a response cache serves a hit."""
-
-    def __init__(self, events):
-        self._events = list(events)
-
-    def next_event(self, timeout=None):
-        """Return the next recorded event."""
-        return self._events.pop(0)
-
-    def cancel(self) -> None:
-        """Nothing runs, so nothing to stop."""
-
-
-def test_replayed_reply_counts_as_a_request_in_the_fastest_buckets():
-    """A replay (what the response cache will serve) has no Started: it never waited or ran."""
+def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timings():
+    """A cache hit is a request with usage and a first token, but its zero timings are not the engine's."""
     fast_bucket = {"le": str(metrics.LATENCY_BUCKETS[0])}
+    engine_only = ("queue_wait", "prompt_processing", "inter_token_latency")
     before = {
         "fast": local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket),
         "stop": local_value("corechat_requests_total", outcome="stop"),
-        "queued": local_value("corechat_queue_wait_seconds_count"),
+        "prompt": local_value("corechat_prompt_tokens_total"),
         "generated": local_value("corechat_generation_tokens_total"),
+        **{name: local_value(f"corechat_{name}_seconds_count") for name in engine_only},
     }
     replay = ObservedGeneration(
-        ReplaySource([TextDelta("Hello"), TextDelta(" there"), Finished("stop", 9, 2, 0.0, 0.0)]),
-        arrived_at=time.monotonic(),
+        EventSource(Flight.replay(CachedReply(("Hello", " there"), "stop", 9, 2))), arrived_at=time.monotonic()
     )
-    for _ in range(3):
-        replay.next_event()
+    assert isinstance(list(replay.events())[-1], Finished)
     replay.cancel()
     assert local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket) == before["fast"] + 1
     assert local_value("corechat_requests_total", outcome="stop") == before["stop"] + 1
+    assert local_value("corechat_prompt_tokens_total") == before["prompt"] + 9
     assert local_value("corechat_generation_tokens_total") == before["generated"] + 2
-    assert local_value("corechat_queue_wait_seconds_count") == before["queued"]
+    for name in engine_only:
+        assert local_value(f"corechat_{name}_seconds_count") == before[name], name
     assert local_value("corechat_requests_waiting") == 0
     assert local_value("corechat_requests_running") == 0
 

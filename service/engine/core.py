@@ -45,6 +45,8 @@ class Started:
     """The engine took the request off the queue."""
 
     queue_seconds: float
+    # True when the response cache serves the reply: no engine queue was involved.
+    cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Finished:
     prompt_seconds: float
     decode_seconds: float
     cached_prompt_tokens: int = 0
+    # True when the response cache served the reply: the timings are not the engine's.
+    cached: bool = False
 
 
 @dataclass(frozen=True)
