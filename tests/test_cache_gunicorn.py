@@ -7,9 +7,8 @@ import time
 
 import pytest
 import requests
-from test_gunicorn import ready_facts, stream_lines
 
-from support import GunicornServer, RedisServer
+from support import GunicornServer, RedisServer, ready_facts, scrape, stream_lines, value
 
 BODY = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 40, "temperature": 0,
         "stream": True}
@@ -68,6 +67,7 @@ def generations(server) -> int:
 
 def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_live(two_workers):
     before = generations(two_workers)
+    samples_before = scrape(two_workers)
     replies = [{} for _ in range(4)]
     threads = [threading.Thread(target=stream_reply, args=(two_workers.url, BODY, reply)) for reply in replies]
     for thread in threads:
@@ -81,6 +81,42 @@ def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_
     assert len(leader["chunks"]) > 1
     assert all(reply["chunks"] == leader["chunks"] for reply in followers)
     assert all(reply["first_content_at"] < leader["done_at"] for reply in followers)
+    samples_after = scrape(two_workers)
+    assert value(samples_after, "corechat_singleflight_followers_total") - value(
+        samples_before, "corechat_singleflight_followers_total"
+    ) == 3
+    # Followers are answered from the cache: the engine's prompt time is observed once, for the leader.
+    assert value(samples_after, "corechat_prompt_processing_seconds_count") - value(
+        samples_before, "corechat_prompt_processing_seconds_count"
+    ) == 1
+
+
+def test_cache_hit_is_counted_and_its_first_token_lands_in_a_fast_bucket(two_workers):
+    body = {**BODY, "stream": False, "max_tokens": 12}
+    generated = requests.post(f"{two_workers.url}/v1/chat/completions", json=body, timeout=60)
+    assert generated.headers["X-Cache"] == "miss"
+    before = scrape(two_workers)
+    replayed = requests.post(
+        f"{two_workers.url}/v1/chat/completions", json=body, headers={"Connection": "close"}, timeout=60
+    )
+    assert replayed.headers["X-Cache"] == "hit"
+    assert replayed.json()["choices"] == generated.json()["choices"]
+    after = scrape(two_workers)
+
+    def delta(name, **labels):
+        """Return how much a sample rose across the hit."""
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("corechat_cache_lookups_total", result="hit") == 1
+    assert delta("corechat_cache_lookups_total", result="miss") == 0
+    assert delta("corechat_time_to_first_token_seconds_count") == 1
+    # A liveness bound, not a speed claim: a replay from Redis takes milliseconds, a 50 ms bucket is generous.
+    assert delta("corechat_time_to_first_token_seconds_bucket", le="0.05") == 1
+    # The hit's usage is counted as a fresh reply's, but its zero timings stay out of the engine's histograms.
+    assert delta("corechat_generation_tokens_total") == replayed.json()["usage"]["completion_tokens"]
+    assert delta("corechat_prompt_tokens_total") == replayed.json()["usage"]["prompt_tokens"]
+    for engine_only in ("queue_wait", "prompt_processing", "inter_token_latency"):
+        assert delta(f"corechat_{engine_only}_seconds_count") == 0, engine_only
 
 
 def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(

@@ -13,8 +13,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
-from support import REPO, TEST_API_KEY
-from test_gunicorn import ready_facts
+from support import REPO, TEST_API_KEY, ready_facts
 
 STATIC_DIR = REPO / "service" / "static"
 ARTIFACTS = REPO / "artifacts"
