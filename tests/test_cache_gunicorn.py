@@ -1,5 +1,6 @@
 """Single-flight end to end: real Gunicorn workers (and a second "host") sharing a real Redis."""
 
+import logging
 import os
 import signal
 import threading
@@ -9,6 +10,8 @@ import pytest
 import requests
 
 from support import GunicornServer, RedisServer, ready_facts, scrape, stream_lines, value
+
+log = logging.getLogger(__name__)
 
 BODY = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 40, "temperature": 0,
         "stream": True}
@@ -152,3 +155,52 @@ def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(
     assert follower["chunks"] == reference["chunks"]
     assert len(follower["chunks"]) > 1
 
+
+
+# Redis faults: the workers fail open (uncached) and go back to the cache by themselves -----------
+
+
+def timed_chat(url: str, body: dict, headers: dict | None = None) -> tuple[float, requests.Response]:
+    """Send one chat request on a fresh connection; return its seconds and its response."""
+    began = time.monotonic()
+    response = requests.post(
+        f"{url}/v1/chat/completions", json=body, headers={"Connection": "close", **(headers or {})}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return time.monotonic() - began, response
+
+
+def wait_for_hit(url: str, body: dict, timeout: float = 20) -> None:
+    """Send a request until it is a cache hit (each worker's breaker lets Redis back in after a pause)."""
+    deadline = time.monotonic() + timeout
+    while timed_chat(url, body)[1].headers["X-Cache"] != "hit":
+        assert time.monotonic() < deadline, "caching did not resume"
+        time.sleep(0.2)
+
+
+def test_hung_redis_adds_bounded_latency_and_caching_resumes_after_it_wakes(two_workers, shared_redis):
+    body = {**BODY, "stream": False, "max_tokens": 8, "seed": 11}
+    uncached = sorted(timed_chat(two_workers.url, body, {"Cache-Control": "no-cache"})[0] for _ in range(5))
+    shared_redis.process.send_signal(signal.SIGSTOP)  # Redis accepts connections but never answers
+    try:
+        during = [timed_chat(two_workers.url, body) for _ in range(6)]
+    finally:
+        shared_redis.process.send_signal(signal.SIGCONT)
+    assert {response.headers["X-Cache"] for _, response in during} == {"bypass"}
+    added_seconds = max(seconds for seconds, _ in during) - uncached[len(uncached) // 2]
+    log.info("a hung Redis added at most %.3f s to a request (uncached median %.3f s)", added_seconds,
+             uncached[len(uncached) // 2])
+    # A liveness bound, not a speed claim: one socket timeout (0.5 s) per worker, then the breaker is open.
+    assert added_seconds < 2.0, added_seconds
+    wait_for_hit(two_workers.url, body)
+
+
+def test_killed_redis_serves_uncached_and_a_restart_brings_hits_back(two_workers, shared_redis):
+    body = {**BODY, "stream": False, "max_tokens": 9, "seed": 12}
+    shared_redis.stop()
+    try:
+        for _ in range(4):
+            assert timed_chat(two_workers.url, body)[1].headers["X-Cache"] == "bypass"
+    finally:
+        shared_redis.start()  # the same port, empty
+    wait_for_hit(two_workers.url, body)
