@@ -8,7 +8,7 @@ import threading
 import time
 
 from . import metrics
-from .engine import Failed, Finished, Started, TextDelta
+from .engine import Failed, Finished, Started, TextDelta, events_until_last
 
 
 class ObservedGeneration:
@@ -40,11 +40,7 @@ class ObservedGeneration:
 
     def events(self):
         """Yield every event up to and including the last one."""
-        while True:
-            event = self.next_event()
-            yield event
-            if isinstance(event, (Finished, Failed)):
-                return
+        return events_until_last(self)
 
     def cancel(self) -> None:
         """Cancel the source; a request that had not ended counts as cancelled."""

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +159,26 @@ def stream_lines(response):
         if line.startswith("data: "):
             payload = line[len("data: ") :]
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | None = None) -> None:
+    """Stream a reply into `reply`: X-Cache, content chunks, first-content and end times."""
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=300) as response:
+        reply["status"] = response.headers["X-Cache"]
+        if joined:
+            joined.set()
+        reply["chunks"] = []
+        try:
+            for payload in stream_lines(response):
+                if payload == "[DONE]":
+                    reply["done_at"] = time.monotonic()
+                    break
+                content = payload["choices"][0]["delta"].get("content") if payload["choices"] else None
+                if content:
+                    reply.setdefault("first_content_at", time.monotonic())
+                    reply["chunks"].append(content)
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+            reply["broken"] = True  # the serving worker died
 
 
 def ready_facts(server) -> dict[int, dict]:

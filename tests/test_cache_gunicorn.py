@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from support import GunicornServer, RedisServer, ready_facts, scrape, stream_lines, value
+from support import GunicornServer, RedisServer, ready_facts, scrape, stream_reply, value
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +41,6 @@ def two_workers(tiny_model_dir, shared_redis, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("gunicorn"), shared_redis, workers=2)
     yield server
     server.stop()
-
-
-def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | None = None) -> None:
-    """Stream a reply into `reply`: X-Cache, content chunks, first-content and end times."""
-    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=300) as response:
-        reply["status"] = response.headers["X-Cache"]
-        if joined:
-            joined.set()
-        reply["chunks"] = []
-        try:
-            for payload in stream_lines(response):
-                if payload == "[DONE]":
-                    reply["done_at"] = time.monotonic()
-                    break
-                content = payload["choices"][0]["delta"].get("content") if payload["choices"] else None
-                if content:
-                    reply.setdefault("first_content_at", time.monotonic())
-                    reply["chunks"].append(content)
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
-            reply["broken"] = True  # the serving worker died
 
 
 def generations(server) -> int:

@@ -1,6 +1,5 @@
 """The engine on the tiny model: determinism, seeds, limits, cancellation and the queue."""
 
-import threading
 import time
 
 import pytest

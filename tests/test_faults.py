@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest

@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import requests

@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from deploy_support import NginxServer, ShippedRedis
-from support import GunicornServer, ready_facts, scrape, stream_lines, value
+from support import GunicornServer, ready_facts, scrape, stream_reply, value
 
 CHAT = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "temperature": 0, "seed": 7}
 
@@ -60,18 +60,6 @@ def test_reply_generated_on_one_host_is_a_cache_hit_on_the_other(two_hosts):
     assert all(count_after > count_before for count_before, count_after in zip(before, after))
 
 
-def stream_contents(url: str, body: dict, reply: dict, joined: threading.Event) -> None:
-    """Stream a reply into `reply` (X-Cache and content pieces), setting `joined` once headers came."""
-    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=120) as response:
-        reply["status"] = response.headers["X-Cache"]
-        joined.set()
-        reply["chunks"] = [
-            payload["choices"][0]["delta"].get("content")
-            for payload in stream_lines(response)
-            if payload != "[DONE]" and payload["choices"]
-        ]
-
-
 def finished_generations(instance: GunicornServer) -> int:
     """Return the generations an instance's engine finished."""
     return sum(facts["requests_finished"] for facts in ready_facts(instance).values())
@@ -86,10 +74,10 @@ def test_a_follower_on_the_other_host_shares_one_generation_under_the_shipped_ac
     followers_before = value(scrape(second), "corechat_singleflight_followers_total")
     leader, follower = {}, {}
     leader_joined, follower_joined = threading.Event(), threading.Event()
-    leading = threading.Thread(target=stream_contents, args=(first.url, body, leader, leader_joined))
+    leading = threading.Thread(target=stream_reply, args=(first.url, body, leader, leader_joined))
     leading.start()
     assert leader_joined.wait(60)
-    following = threading.Thread(target=stream_contents, args=(second.url, body, follower, follower_joined))
+    following = threading.Thread(target=stream_reply, args=(second.url, body, follower, follower_joined))
     following.start()
     leading.join(120)
     following.join(120)

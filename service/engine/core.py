@@ -80,6 +80,15 @@ class Failed:
 Event = Started | TextDelta | Finished | Failed
 
 
+def events_until_last(source):
+    """Yield a source's events (anything with `next_event`) up to and including its Finished or Failed."""
+    while True:
+        event = source.next_event()
+        yield event
+        if isinstance(event, (Finished, Failed)):
+            return
+
+
 class Generation:
     """A request's handle: the events the engine sends it, and a way to cancel it."""
 
@@ -108,11 +117,7 @@ class Generation:
 
     def events(self):
         """Yield every event up to and including the last one."""
-        while True:
-            event = self.next_event()
-            yield event
-            if isinstance(event, (Finished, Failed)):
-                return
+        return events_until_last(self)
 
     def send(self, event: Event) -> None:
         """Deliver an event to the request (engine side)."""
