@@ -8,7 +8,7 @@ import threading
 import time
 
 from . import metrics
-from .engine import Failed, Finished, Started, TextDelta
+from .engine import Failed, Finished, Started, TextDelta, events_until_last
 
 
 class ObservedGeneration:
@@ -40,11 +40,7 @@ class ObservedGeneration:
 
     def events(self):
         """Yield every event up to and including the last one."""
-        while True:
-            event = self.next_event()
-            yield event
-            if isinstance(event, (Finished, Failed)):
-                return
+        return events_until_last(self)
 
     def cancel(self) -> None:
         """Cancel the source; a request that had not ended counts as cancelled."""
@@ -59,13 +55,18 @@ class ObservedGeneration:
             self.started = True
             metrics.requests_waiting.dec()
             metrics.requests_running.inc()
-        metrics.queue_wait_seconds.observe(started.queue_seconds)
+        # A cache replay never queued for an engine; its zero would drag the engine's queue times down.
+        if not started.cached:
+            metrics.queue_wait_seconds.observe(started.queue_seconds)
 
     def _finish(self, finished: Finished) -> None:
-        """Record the engine's own timings and token counts, then end the request."""
+        """Record the engine's own timings and the reply's token counts, then end the request."""
+        # Token counters follow the usage every response reports, cached or not; the engine's timing
+        # histograms take only replies the engine generated (a cache replay's timings are zeros).
         # No completion tokens: the engine never ran the prompt (cancelled while queued).
         if finished.completion_tokens > 0:
-            metrics.prompt_processing_seconds.observe(finished.prompt_seconds)
+            if not finished.cached:
+                metrics.prompt_processing_seconds.observe(finished.prompt_seconds)
             metrics.prompt_tokens_total.inc(finished.prompt_tokens)
             if self.first_text_at is None:
                 # The reply had no text (an immediate EOS, or only held-back bytes): its first
@@ -73,7 +74,7 @@ class ObservedGeneration:
                 metrics.time_to_first_token_seconds.observe(time.monotonic() - self.arrived_at)
         # The engine's decode time over the gaps between tokens, once per request: exact, cheap,
         # and blind to text held back for a stop string, which per-delta gaps would count.
-        if finished.completion_tokens > 1:
+        if finished.completion_tokens > 1 and not finished.cached:
             metrics.inter_token_latency_seconds.observe(finished.decode_seconds / (finished.completion_tokens - 1))
         metrics.generation_tokens_total.inc(finished.completion_tokens)
         self._end(finished.finish_reason)

@@ -1,15 +1,18 @@
 """Real servers for the end-to-end tests: Gunicorn running corechat, and redis-server."""
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 # The key the `keyed_server` fixture asks for.
@@ -145,3 +148,79 @@ class RedisServer:
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+# Reading a running server ------------------------------------------------------------------
+
+
+def stream_lines(response):
+    """Yield the SSE data payloads of a streaming response as they arrive."""
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | None = None) -> None:
+    """Stream a reply into `reply`: X-Cache, content chunks, first-content and end times."""
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=300) as response:
+        reply["status"] = response.headers["X-Cache"]
+        if joined:
+            joined.set()
+        reply["chunks"] = []
+        try:
+            for payload in stream_lines(response):
+                if payload == "[DONE]":
+                    reply["done_at"] = time.monotonic()
+                    break
+                content = payload["choices"][0]["delta"].get("content") if payload["choices"] else None
+                if content:
+                    reply.setdefault("first_content_at", time.monotonic())
+                    reply["chunks"].append(content)
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+            reply["broken"] = True  # the serving worker died
+
+
+def ready_facts(server) -> dict[int, dict]:
+    """Return /readyz of every worker, keyed by pid."""
+    facts = {}
+    for _ in range(60):
+        body = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=5).json()
+        facts[body["worker_pid"]] = body
+        if len(facts) == server.workers:
+            break
+    return facts
+
+
+def parse_samples(text: str) -> dict[tuple, float]:
+    """Return every sample of a scrape keyed by (name, sorted labels)."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape(server) -> dict[tuple, float]:
+    """Scrape a server's /metrics once and return its samples."""
+    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
+    assert response.status_code == 200
+    return parse_samples(response.text)
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """Return one sample's value (0 when the series does not exist)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for_samples(server, condition, timeout: float = 30) -> dict:
+    """Scrape until condition(samples) holds; return those samples or fail with the last ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        if condition(samples) or time.monotonic() > deadline:
+            assert condition(samples), {
+                key: val for key, val in samples.items() if key[0].startswith(("corechat_requests_", "corechat_workers"))
+            }
+            return samples
+        time.sleep(0.1)

@@ -13,8 +13,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
-from support import REPO, TEST_API_KEY
-from test_gunicorn import ready_facts
+from support import REPO, TEST_API_KEY, scrape, value
 
 STATIC_DIR = REPO / "service" / "static"
 ARTIFACTS = REPO / "artifacts"
@@ -94,13 +93,14 @@ def error_text(browser, timeout: float = 30) -> str:
 
 
 def running_requests(server) -> int:
-    """Return the requests running in the server's engines, summed over workers."""
-    return sum(body["running"] for body in ready_facts(server).values())
+    """Return the server's running-requests gauge (summed over live workers), as operators see it."""
+    return value(scrape(server), "corechat_requests_running")
 
 
 def queue_is_empty(server) -> bool:
-    """Tell whether no request runs or waits in any worker."""
-    return all(body["running"] == 0 and body["waiting"] == 0 for body in ready_facts(server).values())
+    """Tell whether the server's gauges show no request running or waiting."""
+    samples = scrape(server)
+    return value(samples, "corechat_requests_running") == value(samples, "corechat_requests_waiting") == 0
 
 
 def test_tokens_appear_before_the_reply_is_complete(browser, keyed_server):

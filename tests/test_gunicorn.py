@@ -1,32 +1,14 @@
 """End to end: real Gunicorn with 2 workers on the tiny model, over real HTTP."""
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import requests
 
+from support import ready_facts, stream_lines
+
 USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
-
-
-def stream_lines(response):
-    """Yield the SSE data payloads of a streaming response as they arrive."""
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("data: "):
-            payload = line[len("data: ") :]
-            yield payload if payload == "[DONE]" else json.loads(payload)
-
-
-def ready_facts(server) -> dict[int, dict]:
-    """Return /readyz of every worker, keyed by pid."""
-    facts = {}
-    for _ in range(60):
-        body = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=5).json()
-        facts[body["worker_pid"]] = body
-        if len(facts) == server.workers:
-            break
-    return facts
 
 
 def test_stream_over_real_http(gunicorn_server):

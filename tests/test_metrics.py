@@ -12,10 +12,12 @@ import pytest
 import requests
 from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
-from prometheus_client.parser import text_string_to_metric_families
-from test_gunicorn import ready_facts
+
+from support import parse_samples, ready_facts, scrape, value, wait_for_samples
 
 from service import metrics
+from service.cache import EventSource, Flight
+from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
 from service.observed import ObservedGeneration
 
@@ -23,43 +25,9 @@ USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 STREAMS = 4
 
 
-def parse_samples(text: str) -> dict[tuple, float]:
-    """Return every sample of a scrape keyed by (name, sorted labels)."""
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def scrape(server) -> dict[tuple, float]:
-    """Scrape a server's /metrics once and return its samples."""
-    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
-    assert response.status_code == 200
-    return parse_samples(response.text)
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    """Return one sample's value (0 when the series does not exist)."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 def pids_labelled(samples: dict, name: str) -> set[str]:
     """Return the `pid` labels of a per-worker (liveall) gauge."""
     return {dict(labels)["pid"] for sample_name, labels in samples if sample_name == name}
-
-
-def wait_for(server, condition, timeout: float = 30) -> dict:
-    """Scrape until condition(samples) holds; return those samples or fail with the last ones."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(server)
-        if condition(samples) or time.monotonic() > deadline:
-            assert condition(samples), {
-                key: val for key, val in samples.items() if key[0].startswith(("corechat_requests_", "corechat_workers"))
-            }
-            return samples
-        time.sleep(0.1)
 
 
 def chat(server, **body) -> requests.Response:
@@ -179,7 +147,7 @@ def test_running_and_waiting_rise_during_streams_and_return_to_zero_after_discon
     before = scrape(server)
     streams = OpenStreams(server, STREAMS)
     try:
-        during = wait_for(
+        during = wait_for_samples(
             server,
             lambda samples: value(samples, "corechat_requests_running")
             + value(samples, "corechat_requests_waiting") == STREAMS,
@@ -189,7 +157,7 @@ def test_running_and_waiting_rise_during_streams_and_return_to_zero_after_discon
         assert value(during, "corechat_requests_waiting") >= 2
     finally:
         streams.close()
-    after = wait_for(
+    after = wait_for_samples(
         server,
         lambda samples: value(samples, "corechat_requests_running") == 0
         and value(samples, "corechat_requests_waiting") == 0,
@@ -222,7 +190,7 @@ def test_metrics_answer_while_every_worker_generates(server):
     streams = OpenStreams(server, STREAMS)
     latencies = []
     try:
-        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        wait_for_samples(server, lambda samples: value(samples, "corechat_requests_running") == 2)
         for _ in range(20):
             began = time.monotonic()
             scrape(server)
@@ -249,13 +217,13 @@ def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
     """Runs after the other tests that use `server`: it replaces a worker."""
     streams = OpenStreams(server, STREAMS)
     try:
-        wait_for(server, lambda samples: value(samples, "corechat_requests_running") == 2)
+        wait_for_samples(server, lambda samples: value(samples, "corechat_requests_running") == 2)
         victim = next(pid for pid, facts in ready_facts(server).items() if facts["running"] == 1)
         os.kill(victim, signal.SIGKILL)
         server.wait_ready()
     finally:
         streams.close()
-    samples = wait_for(
+    samples = wait_for_samples(
         server,
         lambda samples: value(samples, "corechat_workers_ready") == 2
         and value(samples, "corechat_requests_running") == 0
@@ -286,40 +254,28 @@ def local_value(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-class ReplaySource:
-    """A finished reply played back without the engine, as a response cache serves a hit."""
-
-    def __init__(self, events):
-        self._events = list(events)
-
-    def next_event(self, timeout=None):
-        """Return the next recorded event."""
-        return self._events.pop(0)
-
-    def cancel(self) -> None:
-        """Nothing runs, so nothing to stop."""
-
-
-def test_replayed_reply_counts_as_a_request_in_the_fastest_buckets():
-    """A replay (what the response cache will serve) has no Started: it never waited or ran."""
+def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timings():
+    """A cache hit is a request with usage and a first token, but its zero timings are not the engine's."""
     fast_bucket = {"le": str(metrics.LATENCY_BUCKETS[0])}
+    engine_only = ("queue_wait", "prompt_processing", "inter_token_latency")
     before = {
         "fast": local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket),
         "stop": local_value("corechat_requests_total", outcome="stop"),
-        "queued": local_value("corechat_queue_wait_seconds_count"),
+        "prompt": local_value("corechat_prompt_tokens_total"),
         "generated": local_value("corechat_generation_tokens_total"),
+        **{name: local_value(f"corechat_{name}_seconds_count") for name in engine_only},
     }
     replay = ObservedGeneration(
-        ReplaySource([TextDelta("Hello"), TextDelta(" there"), Finished("stop", 9, 2, 0.0, 0.0)]),
-        arrived_at=time.monotonic(),
+        EventSource(Flight.replay(CachedReply(("Hello", " there"), "stop", 9, 2))), arrived_at=time.monotonic()
     )
-    for _ in range(3):
-        replay.next_event()
+    assert isinstance(list(replay.events())[-1], Finished)
     replay.cancel()
     assert local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket) == before["fast"] + 1
     assert local_value("corechat_requests_total", outcome="stop") == before["stop"] + 1
+    assert local_value("corechat_prompt_tokens_total") == before["prompt"] + 9
     assert local_value("corechat_generation_tokens_total") == before["generated"] + 2
-    assert local_value("corechat_queue_wait_seconds_count") == before["queued"]
+    for name in engine_only:
+        assert local_value(f"corechat_{name}_seconds_count") == before[name], name
     assert local_value("corechat_requests_waiting") == 0
     assert local_value("corechat_requests_running") == 0
 

@@ -12,6 +12,7 @@ from deploy_support import NginxServer
 from support import GunicornServer
 
 USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
+LONG_REPLY = {"messages": USER, "max_tokens": 4000, "temperature": 0}
 # nginx's read timeout for the stream route in these tests, and the ping interval well inside it.
 READ_TIMEOUT_SECONDS = 2
 PING_SECONDS = 0.5
@@ -52,20 +53,22 @@ def stack(tmp_path_factory, tiny_model_dir):
     gunicorn.stop()
 
 
-def read_stream(response, events: list, on_first_data=None) -> None:
-    """Append (kind, arrival time) for every SSE line of a response as it arrives."""
-    for line in response.iter_lines(decode_unicode=True):
-        now = time.monotonic()
-        if line.startswith(": ping"):
-            events.append(("ping", now))
-        elif line == "data: [DONE]":
-            events.append(("done", now))
-        elif line.startswith("data: "):
-            kind = "content" if '"content":""' not in line and '"content"' in line else "data"
-            events.append((kind, now))
-            if on_first_data:
-                on_first_data()
-                on_first_data = None
+def read_stream(url: str, body: dict, events: list, on_first_data=None) -> None:
+    """Stream a chat reply, appending (kind, arrival time) for every SSE line as it arrives."""
+    with requests.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines(decode_unicode=True):
+            now = time.monotonic()
+            if line.startswith(": ping"):
+                events.append(("ping", now))
+            elif line == "data: [DONE]":
+                events.append(("done", now))
+            elif line.startswith("data: "):
+                kind = "content" if '"content":""' not in line and '"content"' in line else "data"
+                events.append((kind, now))
+                if on_first_data:
+                    on_first_data()
+                    on_first_data = None
 
 
 def occupy_engine(url: str, finished: dict) -> threading.Thread:
@@ -75,7 +78,7 @@ def occupy_engine(url: str, finished: dict) -> threading.Thread:
         """Generate until the length cap and note when it ended."""
         requests.post(
             f"{url}/v1/chat/completions",
-            json={"messages": USER, "max_tokens": 4000, "temperature": 0},
+            json=LONG_REPLY,
             timeout=60,
         )
         finished["at"] = time.monotonic()
@@ -104,14 +107,7 @@ def test_queued_stream_is_unbuffered_and_kept_alive_by_pings_past_the_read_timeo
     occupier_finished = {}
     occupier = occupy_engine(gunicorn.url, occupier_finished)
     events = []
-    with requests.post(
-        f"{nginx.url}/v1/chat/completions",
-        json={"messages": USER, "max_tokens": 50, "stream": True},
-        stream=True,
-        timeout=60,
-    ) as response:
-        assert response.status_code == 200, response.text
-        read_stream(response, events)
+    read_stream(nginx.url, {"messages": USER, "max_tokens": 50}, events)
     occupier.join()
     kinds = [kind for kind, _ in events]
     first_data_at = next(at for kind, at in events if kind == "data")
@@ -125,13 +121,7 @@ def test_queued_stream_is_unbuffered_and_kept_alive_by_pings_past_the_read_timeo
 def test_stream_first_chunk_arrives_long_before_generation_ends(stack):
     _, nginx = stack
     events = []
-    with requests.post(
-        f"{nginx.url}/v1/chat/completions",
-        json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
-        stream=True,
-        timeout=60,
-    ) as response:
-        read_stream(response, events)
+    read_stream(nginx.url, LONG_REPLY, events)
     contents = [at for kind, at in events if kind == "content"]
     assert events[-1][0] == "done"
     assert len(contents) >= 3
@@ -148,13 +138,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(tmp
 
         def stream():
             """Stream a long reply through nginx, noting each line as it arrives."""
-            with requests.post(
-                f"{nginx.url}/v1/chat/completions",
-                json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
-                stream=True,
-                timeout=60,
-            ) as response:
-                read_stream(response, events, on_first_data=streaming.set)
+            read_stream(nginx.url, LONG_REPLY, events, on_first_data=streaming.set)
 
         thread = threading.Thread(target=stream)
         thread.start()

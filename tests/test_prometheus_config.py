@@ -9,8 +9,8 @@ import time
 import pytest
 import requests
 import yaml
-from support import REPO, free_port
-from test_metrics import chat, scrape
+from support import REPO, free_port, scrape
+from test_metrics import chat
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"

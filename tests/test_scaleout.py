@@ -1,10 +1,13 @@
-"""Scale-out: two corechat instances (standing for two hosts) behind the shipped nginx, one Redis."""
+"""Scale-out: two corechat instances (standing for two hosts) behind the shipped nginx, one Redis
+running the shipped config, which the instances reach as its ACL user `corechat`."""
+
+import threading
 
 import pytest
 import requests
 
 from deploy_support import NginxServer, ShippedRedis
-from support import GunicornServer
+from support import GunicornServer, ready_facts, scrape, stream_reply, value
 
 CHAT = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "temperature": 0, "seed": 7}
 
@@ -15,7 +18,9 @@ def two_hosts(tmp_path_factory, tiny_model_dir):
     redis = ShippedRedis(tmp_path_factory.mktemp("redis")).start()
     instances = [
         GunicornServer(
-            tmp_path_factory.mktemp("gunicorn"), workers=1, model=tiny_model_dir, model_name="tiny", redis_url=redis.url()
+            tmp_path_factory.mktemp("gunicorn"), workers=1, model=tiny_model_dir, model_name="tiny", redis_url=redis.url(),
+            # A short lease, so a leader renews it (a Lua script) several times in one reply.
+            cache_lease_seconds=0.6,
         )
         for _ in range(2)
     ]
@@ -53,3 +58,33 @@ def test_reply_generated_on_one_host_is_a_cache_hit_on_the_other(two_hosts):
         assert through_nginx.json()["choices"][0]["message"] == generated.json()["choices"][0]["message"]
     after = [served_requests(first), served_requests(second)]
     assert all(count_after > count_before for count_before, count_after in zip(before, after))
+
+
+def finished_generations(instance: GunicornServer) -> int:
+    """Return the generations an instance's engine finished."""
+    return sum(facts["requests_finished"] for facts in ready_facts(instance).values())
+
+
+def test_a_follower_on_the_other_host_shares_one_generation_under_the_shipped_acl(two_hosts):
+    """Every command of single-flight (locks, Lua renew/release, stream add/read) is allowed to `corechat`."""
+    (first, second), _ = two_hosts
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300,
+            "temperature": 0, "stream": True}
+    before = finished_generations(first) + finished_generations(second)
+    followers_before = value(scrape(second), "corechat_singleflight_followers_total")
+    leader, follower = {}, {}
+    leader_joined, follower_joined = threading.Event(), threading.Event()
+    leading = threading.Thread(target=stream_reply, args=(first.url, body, leader, leader_joined))
+    leading.start()
+    assert leader_joined.wait(60)
+    following = threading.Thread(target=stream_reply, args=(second.url, body, follower, follower_joined))
+    following.start()
+    leading.join(120)
+    following.join(120)
+    assert (leader["status"], follower["status"]) == ("miss", "hit")
+    assert follower["chunks"] == leader["chunks"] and len(leader["chunks"]) > 1
+    assert finished_generations(first) + finished_generations(second) - before == 1
+    assert value(scrape(second), "corechat_singleflight_followers_total") - followers_before == 1
+    # A refused command fails open silently for the client: only the log tells.
+    for instance in (first, second):
+        assert "response cache store failed" not in instance.log()

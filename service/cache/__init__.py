@@ -199,10 +199,10 @@ class Flight:
     @staticmethod
     def replay(reply: CachedReply):
         """Yield a stored reply as the engine first produced it."""
-        yield Started(queue_seconds=0.0)
+        yield Started(queue_seconds=0.0, cached=True)
         for piece in reply.pieces:
             yield TextDelta(piece)
-        yield Finished(reply.finish_reason, reply.prompt_tokens, reply.completion_tokens, 0.0, 0.0)
+        yield Finished(reply.finish_reason, reply.prompt_tokens, reply.completion_tokens, 0.0, 0.0, cached=True)
 
     def start_leading(self, token: str):
         """Start the generation this request leads, giving the lock back if it cannot start."""
@@ -264,7 +264,7 @@ class Flight:
                 return TextDelta(record["text"])
             if record["k"] == "end" and record["reason"] in ("stop", "length"):
                 return Finished(record["reason"], int(record["prompt_tokens"]), int(record["completion_tokens"]),
-                                0.0, 0.0)
+                                0.0, 0.0, cached=True)
         except (KeyError, ValueError):
             log.warning("ignoring a malformed single-flight record %r", record)
         return None
@@ -272,7 +272,7 @@ class Flight:
     def relay(self, upstream):
         """Pass on a leader's events; if it goes away, continue from whatever comes next, without
         repeating the text this request already sent."""
-        yield Started(queue_seconds=0.0)
+        yield Started(queue_seconds=0.0, cached=True)
         sent_chars = 0
         try:
             while True:

@@ -9,6 +9,7 @@ from .core import (
     Generation,
     Started,
     TextDelta,
+    events_until_last,
 )
 from .loading import ModelNotFound
 from .sampling import SamplingParams
@@ -24,4 +25,5 @@ __all__ = [
     "SamplingParams",
     "Started",
     "TextDelta",
+    "events_until_last",
 ]

@@ -46,6 +46,8 @@ class Started:
     """The engine took the request off the queue."""
 
     queue_seconds: float
+    # True when the response cache serves the reply: no engine queue was involved.
+    cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Finished:
     prompt_seconds: float
     decode_seconds: float
     cached_prompt_tokens: int = 0
+    # True when the response cache served the reply: the timings are not the engine's.
+    cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,15 @@ class Failed:
 
 
 Event = Started | TextDelta | Finished | Failed
+
+
+def events_until_last(source):
+    """Yield a source's events (anything with `next_event`) up to and including its Finished or Failed."""
+    while True:
+        event = source.next_event()
+        yield event
+        if isinstance(event, (Finished, Failed)):
+            return
 
 
 class Generation:
@@ -105,11 +118,7 @@ class Generation:
 
     def events(self):
         """Yield every event up to and including the last one."""
-        while True:
-            event = self.next_event()
-            yield event
-            if isinstance(event, (Finished, Failed)):
-                return
+        return events_until_last(self)
 
     def send(self, event: Event) -> None:
         """Deliver an event to the request (engine side)."""
