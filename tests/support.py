@@ -220,7 +220,9 @@ def wait_for_samples(server, condition, timeout: float = 30) -> dict:
         samples = scrape(server)
         if condition(samples) or time.monotonic() > deadline:
             assert condition(samples), {
-                key: val for key, val in samples.items() if key[0].startswith(("corechat_requests_", "corechat_workers"))
+                key: val
+                for key, val in samples.items()
+                if key[0] in ("corechat_requests_running", "corechat_requests_waiting", "corechat_workers_ready")
             }
             return samples
         time.sleep(0.1)
