@@ -329,3 +329,19 @@ def test_follower_takes_over_from_a_leader_that_died(make_settings, engine, back
     assert response.headers["X-Cache"] == "hit"
     assert content_chunks(read_stream(response)) == reference
     assert post(app, body).headers["X-Cache"] == "hit"
+
+
+def test_a_cancelled_cache_source_still_ends_with_a_last_event():
+    """A reader that cancels, then waits for the last event (as a non-streamed reply does when its
+    client hangs up), gets one at once instead of spinning forever on an exhausted source."""
+    from service.cache import EventSource, Flight
+    from service.engine import Started
+
+    source = EventSource(Flight.replay(CachedReply(("a", "b"), "stop", 3, 2)))
+    assert isinstance(source.next_event(timeout=1), Started)
+    source.cancel()
+    began = time.monotonic()
+    last = source.next_event(timeout=1)
+    assert isinstance(last, Finished) and last.finish_reason == "cancelled"
+    assert time.monotonic() - began < 0.5
+    assert list(source.events())[-1].finish_reason == "cancelled"

@@ -55,14 +55,18 @@ class EventSource:
         self._steps = steps
 
     def next_event(self, timeout: float | None = None):
-        """Return the next event, or None if none came within timeout seconds."""
+        """Return the next event, or None if none came within timeout seconds.
+
+        A reply that ended without its last event (it was cancelled) ends as cancelled, so a reader
+        that waits for the last event after cancelling does not wait forever.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         for event in self._steps:
             if event is not None:
                 return event
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-        return None
+        return Finished("cancelled", 0, 0, 0.0, 0.0)
 
     def events(self):
         """Yield every event up to and including the last one."""
