@@ -28,7 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support import GunicornServer, RedisServer  # noqa: E402  (the tests' real-server helpers)
 
-from service.settings import physical_cores  # noqa: E402
+from service.settings import Settings, physical_cores  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -458,7 +458,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
-    parser.add_argument("--dtype", default="bfloat16", help="DTYPE setting of the served model")
+    parser.add_argument(
+        "--dtype", default=Settings.model_fields["dtype"].default, help="DTYPE setting of the served model"
+    )
     parser.add_argument("--repetitions", type=int, help="runs per single-stream measurement")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="another corechat setting for the main server, e.g. --set PIN_WORKERS=1")

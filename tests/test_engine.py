@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from service.engine import Engine, EngineOverloaded, Finished, SamplingParams, Started, TextDelta
+from service.engine import Engine, EngineOverloaded, Failed, Finished, SamplingParams, Started, TextDelta
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
@@ -141,3 +141,31 @@ def test_fingerprint_survives_a_copy_and_changes_with_retrained_weights(tiny_mod
     retrained = data[:header_end] + bytes(byte ^ 1 for byte in data[header_end:])
     (copy / "model.safetensors").write_bytes(retrained)
     assert model_fingerprint(copy, tokenizer) != model_fingerprint(tiny_model_dir, tokenizer)
+
+
+def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
+    """int8 and bfloat16 replies differ, so hosts serving them must not share cached replies."""
+    assert engine.settings.dtype == "int8"
+    exact = Engine(make_settings(dtype="bfloat16", max_model_len=256))
+    exact.start()
+    try:
+        assert exact.wait_ready(60)
+        assert exact.fingerprint != engine.fingerprint
+    finally:
+        exact.stop()
+
+
+def test_stopping_the_engine_ends_queued_and_running_generations(make_settings):
+    """Every request gets a last event when the engine stops, so no request thread waits forever."""
+    engine = Engine(make_settings(max_running=1))
+    engine.start()
+    assert engine.wait_ready(60)
+    ids = engine.encode(engine.render_prompt(PROMPT))
+    running = engine.submit(ids, SamplingParams(max_tokens=100_000, temperature=0.0))
+    assert isinstance(running.next_event(timeout=30), Started)
+    queued = engine.submit(ids, SamplingParams(max_tokens=5, temperature=0.0))
+    engine.stop()
+    running_last = list(running.events())[-1]
+    queued_last = queued.next_event(timeout=5)
+    assert isinstance(running_last, Finished) and running_last.finish_reason == "cancelled"
+    assert isinstance(queued_last, Failed) and "shutting down" in queued_last.message

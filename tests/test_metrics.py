@@ -229,7 +229,8 @@ def test_workers_report_ready_load_and_model_info(server):
     assert all(val > 0 for (name, _), val in samples.items() if name == "corechat_model_load_seconds")
     info = [dict(labels) for name, labels in samples if name == "corechat_model_info"]
     assert len(info) == 1
-    assert info[0]["model"] == "tiny" and info[0]["workers"] == "2" and info[0]["dtype"] == "bfloat16"
+    assert info[0]["model"] == "tiny" and info[0]["workers"] == "2"
+    assert info[0]["dtype"] == "int8" and info[0]["quantization"] == "int8 weight-only, per row"
 
 
 def test_killed_worker_leaves_no_live_gauges_after_respawn(server):

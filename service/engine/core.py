@@ -1,5 +1,6 @@
 """The engine: one thread per worker owns the model; request threads talk to it through queues."""
 
+import hashlib
 import logging
 import queue
 import threading
@@ -215,7 +216,7 @@ class Engine:
         except Exception as exc:  # a bad model must not take the worker down silently
             log.exception("model failed to load")
             self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
-            self._fail_pending()
+            self._fail_pending("the model failed to load")
             return
         return_freed_memory()
         self.facts.update(state="ready", requests_finished=0)
@@ -228,10 +229,13 @@ class Engine:
         dtype = DTYPES[self.settings.dtype]
         self.model = load_model(self.model_dir, dtype)
         self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
-        self.fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        # Replies differ between weight formats: hosts serving int8 and bfloat16 must not share
+        # cached replies, so the format is part of the fingerprint the cache keys on.
+        self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{self.settings.dtype}".encode()).hexdigest()[:16]
         if self.settings.dtype == "int8":
-            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir), self.fingerprint)
-            self.facts["int8_weights"] = str(converted)
+            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir), files_fingerprint)
+            self.facts.update(int8_weights=str(converted), quantization="int8 weight-only, per row")
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(
@@ -253,11 +257,11 @@ class Engine:
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
         log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, reason: str) -> None:
         """Tell every queued request that the engine cannot serve it."""
         while True:
             try:
-                self._pending.get_nowait().send(Failed("the model failed to load"))
+                self._pending.get_nowait().send(Failed(reason))
             except queue.Empty:
                 return
 
@@ -303,6 +307,8 @@ class Engine:
             self._running = len(active)
         for sequence in active:
             self._finish(sequence, "cancelled")
+        # Every request must get a last event, or its thread waits forever and the worker cannot exit.
+        self._fail_pending("the server is shutting down")
 
     def _drop_cancelled_waiting(self) -> None:
         """Take generations whose client left out of the queue at once, so their places free up."""
