@@ -106,7 +106,9 @@ def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(
     two_workers, shared_redis, tmp_path_factory
 ):
     other_host = start_server(tmp_path_factory.mktemp("other-host"), shared_redis, workers=1)
-    body = {**BODY, "max_tokens": 30}
+    # Long enough that the leader is still generating when it is killed, even on a quiet machine
+    # (30 tokens of the tiny model took 40 ms there, and the leader finished first).
+    body = {**BODY, "max_tokens": 400}
     try:
         leader, follower = {}, {}
         leader_joined, follower_joined = threading.Event(), threading.Event()
