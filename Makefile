@@ -5,8 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_MODEL_DIR ?= $(HOME)/.cache/corechat/demo-qwen2.5-0.5b
 DEMO_PRESET ?= qwen2.5-0.5b
-SYSTEM_PACKAGES := redis-server prometheus nginx chromium chromium-driver systemd
-APT_MARKER := $(VENV)/.apt-$(shell echo $(SYSTEM_PACKAGES) | md5sum | cut -c1-8)
+# The Debian packages the tests start or call for real; .ci/run installs the same list.
+SYSTEM_PACKAGES := $(shell cat .ci/system-packages.txt)
 
 .PHONY: setup system-deps serve demo-model test bench bench-quick clean
 
@@ -20,15 +20,12 @@ $(VENV)/.installed: $(PY) requirements.txt requirements-dev.txt
 
 setup: $(VENV)/.installed
 
-# Debian packages the tests start for real (Redis, and what the deploy and browser tests check).
-system-deps: $(APT_MARKER)
-
-$(APT_MARKER): | $(PY)
+# Install the missing ones (needs root, as on CI and the developer machines).
+system-deps:
 	@missing=""; for pkg in $(SYSTEM_PACKAGES); do dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	if [ -n "$$missing" ]; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
-	touch $@
 
 demo-model: setup
 	@if [ -z "$(MODEL)" ]; then $(PY) -m service.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
