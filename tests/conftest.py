@@ -1,16 +1,12 @@
 """Shared fixtures: the tiny dev model, a started engine, and Flask apps built by the real factory."""
 
-import os
 from pathlib import Path
 
 import pytest
 
 from service import create_app
 from service.settings import Settings
-
-# Built once per machine: the tiny model takes seconds to build and never changes for a given
-# devmodel version (the builder checks its marker file).
-TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
+from support import TINY_MODEL_DIR
 
 
 @pytest.fixture(scope="session")
@@ -62,18 +58,14 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
     """Run corechat under real Gunicorn with 2 workers on the tiny model, for one test module."""
     from support import GunicornServer
 
-    server = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("gunicorn"),
         workers=2,
-        model=tiny_model_dir,
-        model_name="tiny",
         max_model_len=4096,
         worker_timeout=3,
         sse_ping_seconds=0.5,
-    )
-    server.start()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +76,16 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
     """
     from support import TEST_API_KEY, GunicornServer
 
-    server = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("keyed-gunicorn"),
         workers=1,
-        model=tiny_model_dir,
-        model_name="tiny",
         api_keys=TEST_API_KEY,
         max_running=1,
         max_queue=1,
         max_tokens_limit=32000,
         sse_ping_seconds=0.5,
-    )
-    server.start()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture()

@@ -26,10 +26,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Built once per machine by the tiny_model_dir fixture: the tiny model takes seconds to build and
+# never changes for a given devmodel version (the builder checks its marker file).
+TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
+
+
 class GunicornServer:
-    """corechat under real Gunicorn, configured through the environment as operators do."""
+    """corechat under real Gunicorn, configured through the environment as operators do.
+
+    Settings are keyword arguments (they become environment variables); the model defaults to the
+    tiny test model, served as "tiny". As a context manager it starts on entry and stops on exit.
+    """
 
     def __init__(self, log_dir: Path, *, workers: int = 2, **settings):
+        if "model" not in settings:
+            settings = {"model": TINY_MODEL_DIR, "model_name": "tiny", **settings}
         self.port = free_port()
         self.workers = workers
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
@@ -60,6 +71,14 @@ class GunicornServer:
         )
         self.wait_ready(timeout)
         return self
+
+    def __enter__(self) -> "GunicornServer":
+        """Start the server."""
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        """Stop the server."""
+        self.stop()
 
     def ready_workers(self, attempts: int = 40) -> set[int]:
         """Ask /readyz on fresh connections and return the pids of workers that answered ready."""

@@ -156,7 +156,7 @@ def test_keys_over_real_gunicorn_and_never_in_its_log(tiny_model_dir, tmp_path):
     from support import GunicornServer
 
     server = GunicornServer(
-        tmp_path, workers=1, model=tiny_model_dir, model_name="tiny", api_keys=",".join(KEYS),
+        tmp_path, workers=1, api_keys=",".join(KEYS),
         cors_origins=ALLOWED_ORIGIN,
     )
     server.start()

@@ -27,10 +27,8 @@ def shared_redis(tmp_path_factory):
 
 def start_server(log_dir, redis, workers: int) -> GunicornServer:
     """Start corechat under Gunicorn on the tiny model with the cache on the shared Redis."""
-    from conftest import TINY_MODEL_DIR
-
     return GunicornServer(
-        log_dir, workers=workers, model=TINY_MODEL_DIR, model_name="tiny", max_model_len=4096, warmup=False,
+        log_dir, workers=workers, max_model_len=4096, warmup=False,
         sse_ping_seconds=0.5, redis_url=redis.url, cache_lease_seconds=1.0,
     ).start()
 

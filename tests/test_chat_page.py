@@ -375,7 +375,7 @@ def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, sc
     from support import GunicornServer
 
     api = GunicornServer(
-        tmp_path, workers=1, model=tiny_model_dir, model_name="tiny", api_keys=TEST_API_KEY,
+        tmp_path, workers=1, api_keys=TEST_API_KEY,
         cors_origins=scripted_server, warmup=False,
     ).start()
     try:

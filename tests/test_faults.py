@@ -27,19 +27,16 @@ LIVENESS_SECONDS = 3.0  # far below GENERATION_SECONDS: a leaked slot would hold
 @pytest.fixture(scope="module")
 def single_slot_server(tiny_model_dir, tmp_path_factory):
     """Run one worker that generates one sequence at a time and queues one more."""
-    server = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("single-slot"),
         workers=1,
-        model=tiny_model_dir,
-        model_name="tiny",
         max_running=1,
         max_queue=1,
         max_tokens_limit=100_000,
         max_generation_seconds=GENERATION_SECONDS,
         sse_ping_seconds=0.1,
-    )
-    yield server.start()
-    server.stop()
+    ) as server:
+        yield server
 
 
 def readyz(server) -> dict:
@@ -175,12 +172,11 @@ def test_hanging_up_on_a_queued_non_streamed_request_frees_the_queue_place(singl
 @pytest.fixture()
 def two_worker_server(tiny_model_dir, tmp_path):
     """Run two workers whose generations end after a few seconds."""
-    server = GunicornServer(
-        tmp_path, workers=2, model=tiny_model_dir, model_name="tiny", max_tokens_limit=100_000,
+    with GunicornServer(
+        tmp_path, workers=2, max_tokens_limit=100_000,
         max_generation_seconds=5, sse_ping_seconds=0.2, graceful_timeout=30,
-    )
-    yield server.start()
-    server.stop()
+    ) as server:
+        yield server
 
 
 def busy_workers(server) -> dict[int, int]:

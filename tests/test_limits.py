@@ -49,11 +49,10 @@ def limited_gunicorn(tiny_model_dir, tmp_path_factory):
     """Run one Gunicorn worker with a 4 KiB body limit."""
     from support import GunicornServer
 
-    server = GunicornServer(
-        tmp_path_factory.mktemp("limits"), workers=1, model=tiny_model_dir, model_name="tiny", max_request_bytes=4096
-    )
-    yield server.start()
-    server.stop()
+    with GunicornServer(
+        tmp_path_factory.mktemp("limits"), workers=1, max_request_bytes=4096
+    ) as server:
+        yield server
 
 
 def post_chunked(port: int, body: bytes, chunk_size: int = 1000) -> tuple[bytes, bytes]:

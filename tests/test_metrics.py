@@ -108,19 +108,15 @@ def server(tiny_model_dir, tmp_path_factory, metrics_dir):
     """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
     from support import GunicornServer
 
-    server = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("metrics"),
         workers=2,
-        model=tiny_model_dir,
-        model_name="tiny",
         max_model_len=4096,
         max_running=1,
         sse_ping_seconds=0.2,
         prometheus_multiproc_dir=metrics_dir,
-    )
-    server.start()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 def test_master_empties_the_metrics_folder_of_an_earlier_run(server, metrics_dir):

@@ -25,8 +25,6 @@ def start_stack(tmp_path_factory, tiny_model_dir, **settings):
     gunicorn = GunicornServer(
         tmp_path_factory.mktemp("gunicorn"),
         workers=1,
-        model=tiny_model_dir,
-        model_name="tiny",
         max_model_len=4096,
         sse_ping_seconds=PING_SECONDS,
         max_generation_seconds=GENERATION_CAP_SECONDS,

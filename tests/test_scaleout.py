@@ -18,7 +18,7 @@ def two_hosts(tmp_path_factory, tiny_model_dir):
     redis = ShippedRedis(tmp_path_factory.mktemp("redis")).start()
     instances = [
         GunicornServer(
-            tmp_path_factory.mktemp("gunicorn"), workers=1, model=tiny_model_dir, model_name="tiny", redis_url=redis.url(),
+            tmp_path_factory.mktemp("gunicorn"), workers=1, redis_url=redis.url(),
             # A short lease, so a leader renews it (a Lua script) several times in one reply.
             cache_lease_seconds=0.6,
         )
