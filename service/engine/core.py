@@ -20,7 +20,7 @@ from .loading import (
     return_freed_memory,
 )
 from .batching import DecodeBatch
-from .int8 import apply_int8
+from .int8 import PROMPT_ACTIVATION_ROWS, apply_int8
 from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
@@ -230,12 +230,19 @@ class Engine:
         self.model = load_model(self.model_dir, dtype)
         self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
-        # Replies differ between weight formats: hosts serving int8 and bfloat16 must not share
-        # cached replies, so the format is part of the fingerprint the cache keys on.
-        self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{self.settings.dtype}".encode()).hexdigest()[:16]
+        # Replies differ between weight formats (and int8 activations or not): hosts serving
+        # different ones must not share cached replies, so the format is part of the fingerprint.
+        weight_format = self.settings.dtype
         if self.settings.dtype == "int8":
-            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir), files_fingerprint)
-            self.facts.update(int8_weights=str(converted), quantization="int8 weight-only, per row")
+            activation_rows = PROMPT_ACTIVATION_ROWS if self.settings.int8_prompt_activations else None
+            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir),
+                                   files_fingerprint, activation_rows)
+            quantization = "int8 weights, per row"
+            if activation_rows:
+                quantization += f"; int8 activations, per token, in products of {activation_rows} or more rows"
+                weight_format += f":a8from{activation_rows}"
+            self.facts.update(int8_weights=str(converted), quantization=quantization)
+        self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(
