@@ -32,6 +32,8 @@ from service.settings import Settings, physical_cores  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
+# Scenario 8 sends its long prompt this long after the short streams, once they decode.
+LONG_PROMPT_DELAY_SECONDS = 0.5
 SYSTEM_PROMPT_SENTENCE = "You are a careful assistant for the corechat benchmark; answer briefly and precisely. "
 
 
@@ -281,6 +283,29 @@ def scenario_concurrency(url: str, plan: Plan) -> dict:
     return rows
 
 
+def scenario_long_prompt_arrives(url: str, plan: Plan, workers: int) -> dict:
+    """Scenario 8: a cold long prompt arrives while short streams decode; how long do they stall?"""
+    messages = [short_chat(f"s8-{uuid.uuid4().hex[:8]}") for _ in range(2 * workers)]
+    streams: list[StreamResult] = []
+    threads = [threading.Thread(target=lambda m=m: streams.append(stream_chat(url, m, 2 * plan.max_tokens)))
+               for m in messages]
+    for thread in threads:
+        thread.start()
+    time.sleep(LONG_PROMPT_DELAY_SECONDS)
+    system = long_system_prompt(plan.system_prompt_tokens, uuid.uuid4().hex[:8])
+    long = stream_chat(url, [{"role": "system", "content": system}, {"role": "user", "content": "hello"}], 1)
+    for thread in threads:
+        thread.join()
+    gaps = [gap for stream in streams for gap in stream.gaps] or [0.0]
+    return {
+        "streams": len(streams),
+        "long_prompt_first_token_seconds": long.first_token_seconds,
+        "inter_token_p50_seconds": statistics.median(gaps),
+        "inter_token_max_seconds": max(gaps),
+        "errors": [run.error for run in [*streams, long] if run.error],
+    }
+
+
 def scenario_cache_hit(url: str, plan: Plan) -> dict:
     """Scenario 4: the same greedy request twice; the second may come from the response cache."""
     messages = short_chat(f"s4-{uuid.uuid4().hex[:8]}")
@@ -373,6 +398,8 @@ def run(plan: Plan, dtype: str, settings: dict) -> dict:
                 progress("scenario 2: long system prompt, cold then repeated")
                 results["scenario_2_system_prompt"] = scenario_system_prompt(server.url, plan, workers)
                 results["scenario_3_concurrency"] = scenario_concurrency(server.url, plan)
+                progress("scenario 8: a long prompt arrives while streams decode")
+                results["scenario_8_long_prompt_arrives"] = scenario_long_prompt_arrives(server.url, plan, workers)
                 progress("scenario 4: response cache hit")
                 results["scenario_4_cache_hit"] = scenario_cache_hit(server.url, plan)
                 progress("scenario 5: memory of all processes")
@@ -434,6 +461,13 @@ def render_markdown(name: str, results: dict) -> str:
             f"{row['first_token_p95_seconds']:.2f} s, {row['inter_token_p95_seconds'] * 1000:.0f} ms | "
             f"{len(row['errors'])} errors |"
         )
+    s8 = results["scenario_8_long_prompt_arrives"]
+    lines.append(
+        f"| 8. cold {s2['system_prompt_tokens_about']}-token prompt arrives while {s8['streams']} streams decode: its first "
+        f"token; the streams' inter-token p50 / max | {s8['long_prompt_first_token_seconds']:.3f} s; "
+        f"{s8['inter_token_p50_seconds'] * 1000:.0f} / {s8['inter_token_max_seconds'] * 1000:.0f} ms | "
+        f"{len(s8['errors'])} errors |"
+    )
     lines += [
         f"| 4. repeat of a greedy request: X-Cache {', '.join(s4['repeat_x_cache'])}, first byte / total (p50) | "
         f"{s4['repeat_first_byte_p50_seconds'] * 1000:.1f} ms / {s4['repeat_total_p50_seconds']:.3f} s | "

@@ -88,6 +88,11 @@ class Settings(BaseSettings):
         8, ge=1, description="Sequences a worker's engine decodes together in one batched forward per token; "
         "8 absorbs the uneven way the kernel hands connections to workers (see README, Performance)."
     )
+    prefill_chunk_tokens: int = Field(
+        256, ge=16, description="Prompt tokens a worker processes between two decode steps of its running "
+        "streams: a long prompt arriving delays their next token by at most about this much work, and "
+        "is itself processed in chunks of this size (see README, Performance)."
+    )
     warmup: bool = Field(True, description="Run a short real generation before reporting ready.")
     sse_ping_seconds: float = Field(
         5.0, gt=0, description="Interval of `: ping` comments while a stream waits for its first token."

@@ -94,6 +94,46 @@ def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_e
     assert fast_engine.facts["largest_batch"] >= 2
 
 
+def test_prompt_processed_in_chunks_generates_what_one_pass_generates(plain_engine, make_settings):
+    """Cutting a prompt into chunks of 16 tokens changes when its work happens, not its reply."""
+    chunked = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=16)
+    try:
+        prompt = prompt_of(chunked, QUESTIONS[3])
+        assert len(prompt) > 5 * 16
+        assert run_to_end(chunked, prompt, max_tokens=16)[0] == run_to_end(plain_engine, prompt, max_tokens=16)[0]
+    finally:
+        chunked.stop()
+
+
+def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_settings, monkeypatch):
+    """A long prompt arriving is processed one chunk per decode step, so a running stream is not stalled."""
+    from service.engine import Generation, Started
+
+    chunk = 16
+    engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=chunk)
+    sent = []  # (generation, event), in the order the engine thread sends them
+    original_send = Generation.send
+    monkeypatch.setattr(Generation, "send", lambda self, event: (sent.append((self, event)), original_send(self, event))[1])
+    try:
+        running = engine.submit(prompt_of(engine, QUESTIONS[0]), SamplingParams(max_tokens=100_000, temperature=0.0))
+        assert isinstance(running.next_event(timeout=30), Started)
+        assert running.next_event(timeout=30) is not None  # decoding
+        long_prompt = engine.encode(engine.render_prompt([{"role": "user", "content": SYSTEM * 3}]))
+        chunks = -(-len(long_prompt) // chunk)
+        assert chunks >= 20
+        _, finished = run_to_end(engine, long_prompt, max_tokens=1)
+        running.cancel()
+        order = [(generation is running, type(event).__name__) for generation, event in list(sent)]
+        long_started = order.index((False, "Started"))
+        long_first = next(index for index, item in enumerate(order) if item[0] is False and item[1] in ("TextDelta", "Finished"))
+        deltas_between = sum(1 for item in order[long_started:long_first] if item == (True, "TextDelta"))
+        # One decode step after each chunk but the last; a few deltas may be held back (partial characters).
+        assert deltas_between >= (chunks - 1) // 2, (chunks, deltas_between)
+        assert finished.prompt_tokens == len(long_prompt)
+    finally:
+        engine.stop()
+
+
 def test_int8_weights_are_converted_once_into_a_shared_file_and_generate(make_settings, tmp_path):
     """DTYPE=int8 writes its converted file once, later engines map it again, and generation works."""
     from service.engine.int8 import Int8Linear

@@ -226,7 +226,8 @@ def test_workers_report_ready_load_and_model_info(server):
     info = [dict(labels) for name, labels in samples if name == "corechat_model_info"]
     assert len(info) == 1
     assert info[0]["model"] == "tiny" and info[0]["workers"] == "2"
-    assert info[0]["dtype"] == "int8" and info[0]["quantization"] == "int8 weight-only, per row"
+    assert info[0]["dtype"] == "int8" and info[0]["quantization"] == (
+        "int8 weights per row, int8 activations per token from 12 rows")
 
 
 def test_killed_worker_leaves_no_live_gauges_after_respawn(server):

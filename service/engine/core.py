@@ -237,9 +237,9 @@ class Engine:
             activation_rows = PROMPT_ACTIVATION_ROWS if self.settings.int8_prompt_activations else None
             converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir),
                                    files_fingerprint, activation_rows)
-            quantization = "int8 weights, per row"
+            quantization = "int8 weights per row"
             if activation_rows:
-                quantization += f"; int8 activations, per token, in products of {activation_rows} or more rows"
+                quantization += f", int8 activations per token from {activation_rows} rows"
                 weight_format += f":a8from{activation_rows}"
             self.facts.update(int8_weights=str(converted), quantization=quantization)
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
@@ -304,15 +304,17 @@ class Engine:
         return generation
 
     def _serve(self) -> None:
-        """Admit queued requests, then advance every running sequence by one token per step."""
+        """Admit queued requests, advance prompts by a chunk, then every running sequence by one token."""
         active: list[_Sequence] = []
+        prefilling: list[_Sequence] = []
         batch = DecodeBatch(self.model.config)
         while not self._stopping.is_set():
             self._drop_cancelled_waiting()
-            self._admit(active, batch)
+            self._admit(active, prefilling)
+            self._prefill_some(active, prefilling, batch)
             self._decode_step(active, batch)
-            self._running = len(active)
-        for sequence in active:
+            self._running = len(active) + len(prefilling)
+        for sequence in active + prefilling:
             self._finish(sequence, "cancelled")
         # Every request must get a last event, or its thread waits forever and the worker cannot exit.
         self._fail_pending("the server is shutting down")
@@ -331,17 +333,16 @@ class Engine:
     def _decode_until_done(self, sequences: list["_Sequence"]) -> None:
         """Run sequences to their end without admitting others (the warm-up)."""
         batch = DecodeBatch(self.model.config)
-        active = [sequence for sequence in sequences if self._prefill(sequence)]
+        active = [sequence for sequence in sequences if self._prefill(sequence, len(sequence.next_input))]
         if active:
             batch.join([sequence.cache for sequence in active])
         while active:
             self._decode_step(active, batch)
 
-    def _admit(self, active: list[_Sequence], batch: DecodeBatch) -> None:
-        """Run the prompt pass of queued requests and add them to the batch, blocking briefly when idle."""
-        joining = []
-        while len(active) + len(joining) < self.settings.max_running:
-            idle = not active and not joining
+    def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
+        """Take queued requests while places are free (blocking briefly when idle) to process their prompts."""
+        while len(active) + len(prefilling) < self.settings.max_running:
+            idle = not active and not prefilling
             try:
                 generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if idle else self._pending.get_nowait()
             except queue.Empty:
@@ -350,12 +351,28 @@ class Engine:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             generation.send(Started(time.monotonic() - generation.submitted_at))
-            sequence = self._begin(generation)
+            prefilling.append(self._begin(generation))
             # Counted before its first token goes out, so a client that saw a token sees it running.
-            self._running = len(active) + len(joining) + 1
-            if self._prefill(sequence):
-                joining.append(sequence)
-            self._running = len(active) + len(joining)
+            self._running = len(active) + len(prefilling)
+
+    def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
+        """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
+
+        Prompts that are done join the batch. Between two decode steps the running sequences wait for at most this much prompt work, so a
+        long prompt arriving slows their tokens down instead of stopping them.
+        """
+        chunk = self.settings.prefill_chunk_tokens
+        budget, joining = chunk, []
+        # Whole chunks only, so where a prompt is cut never depends on what else is running.
+        while prefilling and (budget == chunk or min(chunk, len(prefilling[0].next_input)) <= budget):
+            sequence = prefilling[0]
+            take = min(chunk, len(sequence.next_input))
+            budget -= take
+            goes_on = self._prefill(sequence, take)
+            if goes_on is not None:
+                prefilling.pop(0)
+                if goes_on:
+                    joining.append(sequence)
         if joining:
             batch.join([sequence.cache for sequence in joining])
             active.extend(joining)
@@ -378,22 +395,29 @@ class Engine:
             deadline=now + deadline_seconds,
         )
 
-    def _prefill(self, sequence: _Sequence) -> bool:
-        """Process the prompt (past its stored prefix) and take the first token; return whether it goes on."""
+    def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
+        """Process the next `tokens` of the prompt (past its stored prefix); after the last, take the first token.
+
+        Return None while prompt tokens remain, else whether the sequence goes on.
+        """
         if sequence.generation.cancelled:
             self._finish(sequence, "cancelled")
             return False
         try:
             began = time.monotonic()
+            chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
             with torch.inference_mode():
                 output = self.model(
-                    input_ids=torch.tensor([sequence.next_input]),
+                    input_ids=torch.tensor([chunk]),
                     cache=sequence.cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                self._prefixes.store(sequence.generation.prompt_ids, sequence.cache)
-            sequence.prompt_seconds = time.monotonic() - began
+                if not sequence.next_input:
+                    self._prefixes.store(sequence.generation.prompt_ids, sequence.cache)
+            sequence.prompt_seconds += time.monotonic() - began
+            if sequence.next_input:
+                return None
             self.facts["prefix_cache_bytes"] = self._prefixes.bytes
             if sequence.cached_prompt_tokens:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
