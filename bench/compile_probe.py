@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from service.devmodel import build_dev_model  # noqa: E402
-from service.engine.int8 import apply_int8  # noqa: E402
+from service.engine.int8 import PROMPT_ACTIVATION_ROWS, apply_int8  # noqa: E402
 from service.engine.loading import load_model, load_tokenizer, model_fingerprint  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
@@ -34,7 +34,10 @@ def load(dtype: str):
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
     if dtype == "int8":
-        apply_int8(model, model_dir, Path(Settings().converted_weights_dir), model_fingerprint(model_dir, tokenizer))
+        settings = Settings()
+        activation_rows = PROMPT_ACTIVATION_ROWS if settings.int8_prompt_activations else None
+        apply_int8(model, model_dir, Path(settings.converted_weights_dir), model_fingerprint(model_dir, tokenizer),
+                   activation_rows)
     prompt = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     return model, tokenizer(prompt, add_special_tokens=False)["input_ids"]
 

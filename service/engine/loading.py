@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from .attention import ATTENTION
+
 log = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {
@@ -109,7 +111,7 @@ def load_model(model_dir: Path, dtype: torch.dtype):
     """Build the model without allocating weights, then point its parameters at the mapped files."""
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     state = {}
     for path in safetensors_files(model_dir):
         state.update(map_safetensors(path))
