@@ -13,7 +13,6 @@ look worse than on a trained model, and no figure here is a quality figure for r
 """
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from bench import save_results  # noqa: E402
 from service.devmodel import build_dev_model  # noqa: E402
 from service.engine.int8 import PROMPT_ACTIVATION_ROWS, apply_int8  # noqa: E402
 from service.engine.loading import load_model, load_tokenizer, model_fingerprint  # noqa: E402
@@ -113,10 +113,7 @@ def main() -> None:
     table = (f"## Agreement with float32: qwen2.5-0.5b dev model (random weights), {len(prompts)} prompts of "
              f"{min(results['prompt_tokens'])}-{max(results['prompt_tokens'])} tokens, {args.tokens} positions each\n\n"
              + "\n".join(rows) + "\n")
-    print(table)
-    results_dir = REPO / "bench" / "results"
-    (results_dir / "agreement.json").write_text(json.dumps(results, indent=2) + "\n")
-    (results_dir / "agreement.md").write_text(table)
+    save_results("agreement", results, table)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ table and writes bench/results/attention-<dtype>.json and .md.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +18,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
 from service.engine.attention import ATTENTION  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -67,10 +67,7 @@ def main() -> None:
         rows.append(f"| {context} | {sdpa['step_seconds'] * 1000:.1f} ms | {grouped['step_seconds'] * 1000:.1f} ms | "
                     f"{sdpa['prompt_seconds']:.2f} / {grouped['prompt_seconds']:.2f} s |")
     table = f"## Attention probe: {args.dtype}, {args.threads} thread(s)\n\n" + "\n".join(rows) + "\n"
-    print(table)
-    results_dir = REPO / "bench" / "results"
-    (results_dir / f"attention-{args.dtype}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (results_dir / f"attention-{args.dtype}.md").write_text(table)
+    save_results(f"attention-{args.dtype}", results, table)
 
 
 if __name__ == "__main__":

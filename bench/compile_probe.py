@@ -7,7 +7,6 @@ bench/results/compile-<dtype>.json and .md.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +18,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from bench import save_results  # noqa: E402
 from service.devmodel import build_dev_model  # noqa: E402
 from service.engine.int8 import PROMPT_ACTIVATION_ROWS, apply_int8  # noqa: E402
 from service.engine.loading import load_model, load_tokenizer, model_fingerprint  # noqa: E402
@@ -94,10 +94,7 @@ def main() -> None:
         f"| compile time (first calls) | | {compile_seconds:.1f} s |",
     ]
     table = f"## torch.compile probe: {args.dtype}, {args.threads} thread(s)\n\n" + "\n".join(rows) + "\n"
-    print(table)
-    results_dir = REPO / "bench" / "results"
-    (results_dir / f"compile-{args.dtype}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (results_dir / f"compile-{args.dtype}.md").write_text(table)
+    save_results(f"compile-{args.dtype}", results, table)
 
 
 if __name__ == "__main__":

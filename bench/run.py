@@ -10,6 +10,7 @@ real HTTP, SSE parsed here, and Redis on. Results go to bench/results/<name>.jso
 import argparse
 import http.client
 import json
+import math
 import os
 import platform
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import GunicornServer, RedisServer  # noqa: E402  (the tests' real-server helpers)
+from support import GunicornServer, RedisServer, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
 from service.settings import Settings, physical_cores  # noqa: E402
 
@@ -194,26 +195,39 @@ def run_probe(*args: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
+def safetensors_header(path: Path) -> dict:
+    """Return a safetensors file's header: tensor name -> dtype, shape, offsets."""
+    with path.open("rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    header.pop("__metadata__", None)
+    return header
+
+
+def element_counts_of(model_dir: Path) -> dict[str, int]:
+    """Return the number of elements of every tensor of the model."""
+    return {name: math.prod(info["shape"]) for name, info in safetensors_header(model_dir / "model.safetensors").items()}
+
+
+def served_weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Return the bytes of one copy of the weights as served: for int8 the converted file plus the bf16 tensors it keeps."""
+    counts = element_counts_of(model_dir)
+    if dtype != "int8":
+        return sum(counts.values()) * {"bfloat16": 2, "float32": 4}[dtype]
+    converted = max(model_dir.glob("corechat-int8-*.safetensors"), key=lambda path: path.stat().st_mtime)
+    replaced = {name.removesuffix(".int8") for name in safetensors_header(converted) if name.endswith(".int8")}
+    return converted.stat().st_size + 2 * sum(count for name, count in counts.items() if name not in replaced)
+
+
 def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     """Count the weight bytes one decoded token reads: every matrix once, the embedding only as the output layer."""
     config = json.loads((model_dir / "config.json").read_text())
-    path = model_dir / "model.safetensors"
-    with path.open("rb") as file:
-        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
-    element_counts = {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            count = 1
-            for size in info["shape"]:
-                count *= size
-            element_counts[name] = count
+    element_counts = element_counts_of(model_dir)
     total = sum(element_counts.values())
     # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
     element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1}[dtype]
-    return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes,
-            "file_bytes": path.stat().st_size}
+    return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes}
 
 
 # The scenarios --------------------------------------------------------------------------------
@@ -404,8 +418,10 @@ def run(plan: Plan, dtype: str, settings: dict) -> dict:
                 results["scenario_4_cache_hit"] = scenario_cache_hit(server.url, plan)
                 progress("scenario 5: memory of all processes")
                 memory = memory_of(server)
-                results["scenario_5_memory"] = {**memory, "weight_bytes": weights["file_bytes"],
-                                                "pss_to_weights": memory["pss"] / weights["file_bytes"]}
+                served = served_weight_bytes(plan.model_dir, dtype)
+                kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in ready_facts(server).values())
+                results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
+                                                "pss_to_weights_and_kv": memory["pss"] / (served + kv_bytes)}
             finally:
                 server.stop()
             results["scenario_7_matrix"] = scenario_matrix(scratch, plan.model_dir, redis_url, plan, dtype)
@@ -473,7 +489,8 @@ def render_markdown(name: str, results: dict) -> str:
         f"{s4['repeat_first_byte_p50_seconds'] * 1000:.1f} ms / {s4['repeat_total_p50_seconds']:.3f} s | "
         f"{s4['repeat_to_miss_total']:.2f}x miss total |",
         f"| 5. PSS of master + {s5['processes'] - 1} workers | {s5['pss'] / 1e9:.2f} GB | "
-        f"{s5['pss_to_weights']:.2f}x weights ({s5['weight_bytes'] / 1e9:.2f} GB) |",
+        f"{s5['pss_to_weights_and_kv']:.2f}x weights as served ({s5['weight_bytes'] / 1e9:.2f} GB) "
+        f"+ stored prefix KV ({s5['prefix_cache_bytes'] / 1e9:.2f} GB) |",
         f"| 6. cold start until all {s6['workers']} workers ready | {s6['seconds_until_all_ready']:.1f} s | |",
     ]
     for label, row in results["scenario_7_matrix"].items():

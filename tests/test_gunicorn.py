@@ -123,3 +123,48 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
         assert body["torch_threads"] >= 1
         assert body["load_seconds"] > 0
         assert body["warmup_seconds"] > 0
+
+
+def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path, monkeypatch):
+    """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it; a chosen folder stays."""
+    import tempfile
+
+    from support import GunicornServer
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with GunicornServer(tmp_path, workers=1) as server:
+        default = Path(tempfile.gettempdir()) / f"corechat-metrics-{server.process.pid}"
+        assert default.is_dir()
+    assert not default.exists()
+    chosen = tmp_path / "metrics"
+    with GunicornServer(tmp_path, workers=1, prometheus_multiproc_dir=chosen):
+        assert chosen.is_dir()
+    assert chosen.is_dir()
+
+
+
+def anonymous_megabytes(pid: int) -> float:
+    """Return a process's anonymous memory in MB."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Anonymous line for {pid}")
+
+
+def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
+    """oneDNN kept a compiled primitive per prompt length (1,024 by default): +735 MB over 300 lengths."""
+    from support import GunicornServer
+
+    with GunicornServer(tmp_path, workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:
+        worker = server.worker_pids()[0]
+
+        def ask(words: int) -> None:
+            body = {"messages": [{"role": "user", "content": "word " * words}], "max_tokens": 1}
+            assert requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+        for words in range(1, 41):
+            ask(words)  # the shapes in steady use, and the allocator's own growth
+        before = anonymous_megabytes(worker)
+        for words in range(41, 341):
+            ask(words)
+        assert anonymous_megabytes(worker) - before < 100
