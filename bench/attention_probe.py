@@ -1,7 +1,7 @@
 """Measure a decode step at growing context with SDPA and with the engine's grouped decode attention.
 
 `python bench/attention_probe.py [--dtype int8] [--threads 1]` loads the 0.5B dev model as a worker
-does, fills a KV cache with a prompt of each context length (in the engine's 256-token chunks),
+does, fills a KV cache with a prompt of each context length (in the engine's prompt chunks),
 then times single-token steps, once per attention implementation, in one process. It prints a
 table and writes bench/results/attention-<dtype>.json and .md.
 """
