@@ -71,3 +71,23 @@ def test_gunicorn_stops_with_the_reason_when_the_model_is_missing(tmp_path):
     assert result.returncode != 0
     assert "service.devmodel" in result.stdout + result.stderr
     assert time.monotonic() - began < 60
+
+
+def test_tokenizer_without_its_python_vocabulary_tokenizes_and_templates_the_same(tiny_model_dir):
+    """Dropping the ~70 MB Python vocabulary and merges changes nothing the engine uses."""
+    from transformers import AutoTokenizer
+
+    from service.engine.loading import load_tokenizer
+
+    trimmed, full = load_tokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not trimmed._vocab and not trimmed._merges and len(full._vocab) > 150_000
+    texts = ["Hello, world!", "naïve café — 東京 🚀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ", "x" * 500]
+    for text in texts:
+        ids = trimmed(text, add_special_tokens=False)["input_ids"]
+        assert ids == full(text, add_special_tokens=False)["input_ids"]
+        assert trimmed.decode(ids) == full.decode(ids) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[1]}]
+    assert trimmed.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == full.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert trimmed.get_vocab() == full.get_vocab()
+    assert (trimmed.eos_token_id, len(trimmed)) == (full.eos_token_id, len(full))
