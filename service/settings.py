@@ -137,7 +137,8 @@ class Settings(BaseSettings):
         0.1, gt=0, description="Redis connect timeout; a dead Redis costs at most this per breaker period."
     )
     cache_socket_timeout_seconds: float = Field(
-        0.5, gt=0, description="Redis read and write timeout."
+        0.25, gt=0, description="Redis read and write timeout: a hung Redis costs a request at most this "
+        "before the breaker opens. A follower's wait for new chunks gets CACHE_POLL_SECONDS on top."
     )
     cache_breaker_seconds: float = Field(
         2.0, gt=0, description="After a Redis failure, serve uncached for this long before trying Redis again."

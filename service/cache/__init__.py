@@ -124,6 +124,7 @@ class ResponseCache:
                 settings.redis_url,
                 connect_timeout=settings.cache_connect_timeout_seconds,
                 socket_timeout=settings.cache_socket_timeout_seconds,
+                wait_seconds=settings.cache_poll_seconds,
             )
         else:
             store = LocalStore(settings.cache_local_entries)

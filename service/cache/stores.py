@@ -32,18 +32,16 @@ class RedisStore:
     stream_start = "0-0"
     name = "redis"
 
-    def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float):
+    def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float, wait_seconds: float):
         # No retries: a failed call fails fast and the caller serves uncached.
-        self.client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout,
-            socket_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=HEALTH_CHECK_SECONDS,
-        )
+        options = dict(socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                       health_check_interval=HEALTH_CHECK_SECONDS)
+        self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
+        # A follower's blocking read waits up to wait_seconds on purpose: it gets its own connections
+        # with a timeout that long plus the usual, so every other call can keep a short timeout.
+        self._waiting_client = redis.Redis.from_url(url, socket_timeout=socket_timeout + wait_seconds, **options)
+        self._wait_seconds = wait_seconds
         self.errors = (redis.RedisError, OSError)
-        self._socket_timeout = socket_timeout
         self._release = self.client.register_script(RELEASE_SCRIPT)
         self._renew = self.client.register_script(RENEW_SCRIPT)
 
@@ -85,9 +83,8 @@ class RedisStore:
 
     def read(self, stream: str, after, block_seconds: float) -> list[tuple[object, dict[str, str]]]:
         """Return the records after `after`, waiting up to block_seconds for the first one."""
-        # The wait must end well inside the socket timeout, or a quiet stream would look like a dead Redis.
-        block_ms = max(1, int(min(block_seconds, self._socket_timeout / 2) * 1000))
-        reply = self.client.xread({stream: after}, block=block_ms)
+        block_ms = max(1, int(min(block_seconds, self._wait_seconds) * 1000))
+        reply = self._waiting_client.xread({stream: after}, block=block_ms)
         if not reply:
             return []
         return [
