@@ -358,8 +358,9 @@ class Engine:
     def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
         """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
 
-        Prompts that are done join the batch. Between two decode steps the running sequences wait for at most this much prompt work, so a
-        long prompt arriving slows their tokens down instead of stopping them.
+        Prompts that are done join the batch. Between two decode steps the running sequences wait
+        for at most this much prompt work, so a long prompt arriving slows their tokens down
+        instead of stopping them.
         """
         chunk = self.settings.prefill_chunk_tokens
         budget, joining = chunk, []
@@ -396,7 +397,7 @@ class Engine:
         )
 
     def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
-        """Process the next `tokens` of the prompt (past its stored prefix); after the last, take the first token.
+        """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
 
         Return None while prompt tokens remain, else whether the sequence goes on.
         """

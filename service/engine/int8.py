@@ -7,7 +7,7 @@ Two matrix products read that one file. Decoding (a few rows per step) uses torc
 `_weight_int8pack_mm`: bf16 activations, int8 weights, half the bytes of bf16 per token. A prompt
 pass (many rows) quantizes its activations to int8 too, one scale per row, and multiplies int8 by
 int8 with `torch._int_mm` (oneDNN, VNNI where the CPU has it): 2-3x faster than the weight-only
-product there, which is slow at many rows (bench/results, README "Speed").
+product there, which is slow at many rows (README, Performance).
 """
 
 import fcntl
