@@ -24,12 +24,9 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from service.devmodel import build_dev_model  # noqa: E402
-from service.engine.int8 import PROMPT_ACTIVATION_ROWS, apply_int8  # noqa: E402
-from service.engine.loading import load_model, load_tokenizer, model_fingerprint  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from bench.probes import load_dev_model  # noqa: E402
+from service.engine.int8 import PROMPT_ACTIVATION_ROWS  # noqa: E402
 
-MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a haiku about memory bandwidth.",
@@ -38,23 +35,13 @@ PROMPTS = [
     "List three differences between TCP and UDP. " * 4,
     "Summarize the following text. " + "Servers stream tokens to clients as server-sent events. " * 20,
 ]
-# name -> (torch dtype of the model, int8 activation rows or None for no int8 at all)
+# name -> (DTYPE, rows from which int8 products round activations too)
 VARIANTS = {
-    "bfloat16": (torch.bfloat16, None),
-    "int8, weight-only": (torch.bfloat16, "weight-only"),
-    f"int8, int8 activations from {PROMPT_ACTIVATION_ROWS} rows (prompt passes)": (torch.bfloat16, PROMPT_ACTIVATION_ROWS),
-    "int8, int8 activations always": (torch.bfloat16, 1),
+    "bfloat16": ("bfloat16", None),
+    "int8, weight-only": ("int8", None),
+    f"int8, int8 activations from {PROMPT_ACTIVATION_ROWS} rows (prompt passes)": ("int8", PROMPT_ACTIVATION_ROWS),
+    "int8, int8 activations always": ("int8", 1),
 }
-
-
-def load(dtype: torch.dtype, int8_rows):
-    """Load the dev model; with int8_rows set, swap its Linears for int8 ones."""
-    model = load_model(MODEL_DIR, dtype)
-    if int8_rows is not None:
-        tokenizer = load_tokenizer(MODEL_DIR)
-        rows = None if int8_rows == "weight-only" else int8_rows
-        apply_int8(model, MODEL_DIR, Path(Settings().converted_weights_dir), model_fingerprint(MODEL_DIR, tokenizer), rows)
-    return model
 
 
 def run(model, prompt_ids: list[int], forced: list[int] | None, tokens: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -78,19 +65,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    build_dev_model(MODEL_DIR, preset="qwen2.5-0.5b")
-    tokenizer = load_tokenizer(MODEL_DIR)
+    reference, tokenizer = load_dev_model("float32")
     prompts = [
         tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                 add_generation_prompt=True), add_special_tokens=False)["input_ids"]
         for text in PROMPTS
     ]
-    reference = load(torch.float32, None)
     references = [run(reference, ids, None, args.tokens) for ids in prompts]
     del reference
     results = {"prompt_tokens": [len(ids) for ids in prompts], "tokens_per_prompt": args.tokens, "variants": {}}
-    for name, (dtype, int8_rows) in VARIANTS.items():
-        model = load(dtype, int8_rows)
+    for name, (dtype, activation_rows) in VARIANTS.items():
+        model, _ = load_dev_model(dtype, activation_rows)
         errors, agreements, first_errors = [], [], []
         for ids, (expected, fed) in zip(prompts, references, strict=True):
             seen, _ = run(model, ids, fed, args.tokens)

@@ -19,25 +19,15 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from service.devmodel import build_dev_model  # noqa: E402
-from service.engine.int8 import PROMPT_ACTIVATION_ROWS, apply_int8  # noqa: E402
-from service.engine.loading import load_model, load_tokenizer, model_fingerprint  # noqa: E402
+from bench.probes import engine_activation_rows, load_dev_model  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
-MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
 
 
 def load(dtype: str):
-    """Load the dev model as a worker does, in the given weight format."""
-    model_dir = build_dev_model(MODEL_DIR, preset="qwen2.5-0.5b")
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
-    if dtype == "int8":
-        settings = Settings()
-        activation_rows = PROMPT_ACTIVATION_ROWS if settings.int8_prompt_activations else None
-        apply_int8(model, model_dir, Path(settings.converted_weights_dir), model_fingerprint(model_dir, tokenizer),
-                   activation_rows)
+    """Load the dev model as a worker does, in the given weight format; return it and the prompt's ids."""
+    model, tokenizer = load_dev_model(dtype, engine_activation_rows())
     prompt = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     return model, tokenizer(prompt, add_special_tokens=False)["input_ids"]
 

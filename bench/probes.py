@@ -3,17 +3,49 @@
     python -m bench.probes bandwidth --megabytes 1024 --threads 2
     python -m bench.probes baseline MODEL_DIR --threads 2 --max-tokens 64 --repetitions 5 --prompt TEXT
 
-Each prints one JSON object on stdout.
+Each prints one JSON object on stdout. `load_dev_model` loads the dev model for the in-process
+probes (bench/agreement.py, compile_probe.py, attention_probe.py, packed_probe.py).
 """
 
 import argparse
 import json
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 BANDWIDTH_ROUNDS = 7
+# Where bench/run.py builds the qwen2.5-0.5b dev model.
+DEV_MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
+
+
+def engine_activation_rows() -> int | None:
+    """Return the rows from which int8 products round activations too, as the engine's settings say."""
+    from service.engine.int8 import PROMPT_ACTIVATION_ROWS
+    from service.settings import Settings
+
+    return PROMPT_ACTIVATION_ROWS if Settings().int8_prompt_activations else None
+
+
+def load_dev_model(dtype: str, activation_rows: int | None = None):
+    """Build (once) and load the 0.5B dev model as a worker does; return the model and its tokenizer.
+
+    dtype is a DTYPE value; with int8, products of `activation_rows` rows or more round their
+    activations to int8 too (None: never).
+    """
+    from service.devmodel import build_dev_model
+    from service.engine.int8 import apply_int8
+    from service.engine.loading import load_model, load_tokenizer, model_fingerprint
+    from service.settings import Settings
+
+    model_dir = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
+    if dtype == "int8":
+        apply_int8(model, model_dir, Path(Settings().converted_weights_dir), model_fingerprint(model_dir, tokenizer),
+                   activation_rows)
+    return model, tokenizer
 
 
 def measure_read_bandwidth(megabytes: int, threads: int) -> dict:
