@@ -12,8 +12,9 @@ import tempfile
 # files in this folder (what lets any worker's /metrics report all of them), so it is set before
 # anything imports the service; workers inherit it through fork. The default is one folder per
 # master, stable across a config reload (SIGHUP), which re-reads this file in the same process.
+# Unset or empty (as the example environment file's commented default reads) both mean the default.
 DEFAULT_METRICS_DIR = os.path.join(tempfile.gettempdir(), f"corechat-metrics-{os.getpid()}")
-os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", DEFAULT_METRICS_DIR)
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or DEFAULT_METRICS_DIR
 os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 # torch's oneDNN kernels (bf16 matrix products, int8 prompt products) keep a compiled primitive per

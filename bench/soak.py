@@ -23,7 +23,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
+from support import TINY_MODEL_DIR, GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
 
 from service.devmodel import build_dev_model  # noqa: E402
 
@@ -130,7 +130,7 @@ def soak(args) -> dict:
     rng = random.Random(args.seed)
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=args.requests)
     warmup_count = max(len(KINDS), args.requests // 5)
-    model_dir = build_dev_model(Path.home() / ".cache" / "corechat" / "test-tiny", preset="tiny")
+    model_dir = build_dev_model(TINY_MODEL_DIR, preset="tiny")
     work_dir = args.out / "soak-logs.tmp"
     work_dir.mkdir(parents=True, exist_ok=True)
     server = GunicornServer(work_dir, workers=2, model=model_dir, model_name="tiny", sse_ping_seconds=0.5)

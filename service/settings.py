@@ -174,6 +174,12 @@ class Settings(BaseSettings):
         description="Where DTYPE=int8 writes its converted weights when the model folder is read-only.",
     )
 
+    @field_validator("converted_weights_dir")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        """Expand `~`, as the example environment file writes the default."""
+        return os.path.expanduser(value)
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:

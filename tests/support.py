@@ -26,9 +26,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Built once per machine by the tiny_model_dir fixture: the tiny model takes seconds to build and
-# never changes for a given devmodel version (the builder checks its marker file).
+# Built once per machine (by the tiny_model_dir fixture, or by GunicornServer when it defaults to
+# it): the tiny model takes seconds to build and never changes for a given devmodel version (the
+# builder checks its marker file, so asking again is cheap).
 TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
+
+
+def anonymous_megabytes(pid: int | str = "self") -> float:
+    """Return a process's anonymous memory in MB (this process's by default)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Anonymous line for {pid}")
 
 
 class GunicornServer:
@@ -40,7 +49,9 @@ class GunicornServer:
 
     def __init__(self, log_dir: Path, *, workers: int = 2, **settings):
         if "model" not in settings:
-            settings = {"model": TINY_MODEL_DIR, "model_name": "tiny", **settings}
+            from service.devmodel import build_dev_model
+
+            settings = {"model": build_dev_model(TINY_MODEL_DIR, preset="tiny"), "model_name": "tiny", **settings}
         self.port = free_port()
         self.workers = workers
         self.log_path = log_dir / f"gunicorn-{self.port}.log"

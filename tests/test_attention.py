@@ -8,6 +8,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 from service.engine.attention import ATTENTION, grouped_decode_attention
 from service.engine.loading import load_model
+from support import anonymous_megabytes
 
 HEADS, KV_HEADS, DIM = 14, 2, 64
 
@@ -59,14 +60,6 @@ def test_model_decodes_a_long_context_as_with_sdpa(tiny_model_dir):
             step = torch.tensor([[token + 7]])
             got, expected = (m(input_ids=step, cache=c, use_cache=True).logits for m, c in zip((model, reference), caches))
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-
-
-def anonymous_megabytes() -> float:
-    """Return this process's anonymous memory in MB."""
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no Anonymous line in smaps_rollup")
 
 
 def test_decoding_at_ever_new_context_lengths_does_not_grow_memory(module):

@@ -75,6 +75,16 @@ def test_env_example_lists_every_setting_as_generated():
         assert re.search(rf"^#?{name.upper()}=", committed, flags=re.MULTILINE), name
 
 
+def test_every_commented_default_of_the_env_example_means_the_default(monkeypatch):
+    """The example says "uncomment a line to change it": uncommented unchanged, each must still give the default."""
+    committed = (DEPLOY / "corechat.env.example").read_text()
+    for name, value in re.findall(r"^#([A-Z_]+)=(.*)$", committed, flags=re.MULTILINE):
+        monkeypatch.setenv(name, value)
+        field = name.lower()
+        assert getattr(Settings(), field) == getattr(Settings.model_construct(), field), name
+        monkeypatch.delenv(name)
+
+
 def test_install_twice_gives_the_same_tree(tmp_path):
     root = tmp_path / "root"
     first_run = install_into(root)

@@ -4,9 +4,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
-from support import ready_facts, stream_lines
+from support import anonymous_megabytes, ready_facts, stream_lines
 
 USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 
@@ -130,13 +131,18 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
         assert body["warmup_seconds"] > 0
 
 
-def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path, monkeypatch):
-    """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it; a chosen folder stays."""
+@pytest.mark.parametrize("unset", [True, False], ids=["unset", "empty"])
+def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path, monkeypatch, unset):
+    """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it; a chosen folder stays.
+    Empty (the example environment file's commented default, uncommented) means the default too."""
     import tempfile
 
     from support import GunicornServer
 
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    if unset:
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    else:
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     with GunicornServer(tmp_path, workers=1) as server:
         default = Path(tempfile.gettempdir()) / f"corechat-metrics-{server.process.pid}"
         assert default.is_dir()
@@ -146,14 +152,6 @@ def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path
         assert chosen.is_dir()
     assert chosen.is_dir()
 
-
-
-def anonymous_megabytes(pid: int) -> float:
-    """Return a process's anonymous memory in MB."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no Anonymous line for {pid}")
 
 
 def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
