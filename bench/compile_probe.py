@@ -19,7 +19,8 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.probes import engine_activation_rows, load_dev_model  # noqa: E402
+from bench.probes import load_dev_model  # noqa: E402
+from service.engine.int8 import prompt_pass  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
@@ -27,7 +28,7 @@ PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is b
 
 def load(dtype: str):
     """Load the dev model as a worker does, in the given weight format; return it and the prompt's ids."""
-    model, tokenizer = load_dev_model(dtype, engine_activation_rows())
+    model, tokenizer = load_dev_model(dtype)
     prompt = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     return model, tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
@@ -37,7 +38,8 @@ def decode_seconds(forward, model, prompt_ids: list[int], tokens: int) -> tuple[
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         began = time.perf_counter()
-        logits = forward(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
+        with prompt_pass(model):
+            logits = forward(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
         first_call = time.perf_counter() - began
         steps = []
         for _ in range(tokens):

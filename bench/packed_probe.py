@@ -24,7 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
-from service.engine.int8 import PROMPT_ACTIVATION_ROWS, Int8Linear  # noqa: E402
+from service.engine.int8 import Int8Linear, prompt_pass  # noqa: E402
 
 
 class PackedInt8Linear(nn.Module):
@@ -42,9 +42,9 @@ class PackedInt8Linear(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Decode rows through fbgemm (activations rounded to uint8 per call); prompts as the engine does."""
-        flat = inputs.reshape(-1, inputs.shape[-1])
-        if flat.shape[0] >= PROMPT_ACTIVATION_ROWS:
+        if self.layer.mode.in_prompt_pass:
             return self.layer(inputs)
+        flat = inputs.reshape(-1, inputs.shape[-1])
         output = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, False)
         return output.to(inputs.dtype).reshape(*inputs.shape[:-1], -1)
 
@@ -61,7 +61,8 @@ def step_seconds(model, prompt_ids: list[int], rows: int, steps: int) -> float:
     """Run a prompt pass for `rows` copies of the prompt, then return the median decode step seconds."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt_ids] * rows), cache=cache, use_cache=True, logits_to_keep=1)
+        with prompt_pass(model):
+            model(input_ids=torch.tensor([prompt_ids] * rows), cache=cache, use_cache=True, logits_to_keep=1)
         times = []
         for token in range(steps):
             began = time.perf_counter()

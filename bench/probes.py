@@ -20,19 +20,11 @@ BANDWIDTH_ROUNDS = 7
 DEV_MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
 
 
-def engine_activation_rows() -> int | None:
-    """Return the rows from which int8 products round activations too, as the engine's settings say."""
-    from service.engine.int8 import PROMPT_ACTIVATION_ROWS
-    from service.settings import Settings
-
-    return PROMPT_ACTIVATION_ROWS if Settings().int8_prompt_activations else None
-
-
-def load_dev_model(dtype: str, activation_rows: int | None = None):
+def load_dev_model(dtype: str, prompt_activations: bool | None = None):
     """Build (once) and load the 0.5B dev model as a worker does; return the model and its tokenizer.
 
-    dtype is a DTYPE value; with int8, products of `activation_rows` rows or more round their
-    activations to int8 too (None: never).
+    dtype is a DTYPE value; with int8, prompt passes (`service.engine.int8.prompt_pass`) round
+    activations to int8 too when prompt_activations is true (None: as the settings say).
     """
     from service.devmodel import build_dev_model
     from service.engine.int8 import apply_int8
@@ -43,8 +35,11 @@ def load_dev_model(dtype: str, activation_rows: int | None = None):
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
     if dtype == "int8":
-        apply_int8(model, model_dir, Path(Settings().converted_weights_dir), model_fingerprint(model_dir, tokenizer),
-                   activation_rows)
+        settings = Settings()
+        if prompt_activations is None:
+            prompt_activations = settings.int8_prompt_activations
+        apply_int8(model, model_dir, Path(settings.converted_weights_dir), model_fingerprint(model_dir, tokenizer),
+                   prompt_activations)
     return model, tokenizer
 
 

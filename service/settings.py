@@ -58,9 +58,9 @@ class Settings(BaseSettings):
         "decodes 2.6x faster than bfloat16 here (see README, Performance); bfloat16 is the exact one."
     )
     int8_prompt_activations: bool = Field(
-        True, description="With DTYPE=int8, prompt passes of 12 or more tokens also round their "
-        "activations to int8 (one scale per token) and use int8 x int8 kernels: 2-3x faster prompts "
-        "here, at a larger rounding error (bench/agreement.py). false keeps weight-only int8 throughout."
+        True, description="With DTYPE=int8, prompt passes also round their activations to int8 (one "
+        "scale per token) and use int8 x int8 kernels: 2-3x faster prompts here, at a larger rounding "
+        "error (bench/agreement.py). false keeps weight-only int8 throughout."
     )
     max_model_len: int = Field(
         0, ge=0, description="Context window in tokens; 0 takes the model's max_position_embeddings."

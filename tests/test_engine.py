@@ -151,6 +151,8 @@ def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
     try:
         assert exact.wait_ready(60)
         assert exact.fingerprint != engine.fingerprint
+        # int8 Linear weights are buffers, not parameters: the count must still be the model's.
+        assert engine.facts["parameters"] == exact.facts["parameters"] > 0
     finally:
         exact.stop()
 

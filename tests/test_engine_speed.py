@@ -180,27 +180,32 @@ def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_
             engine.stop()
 
 
-def test_int8_activation_product_agrees_with_the_weight_only_one_and_serves_long_inputs_only():
-    """Prompt-sized inputs take the int8 x int8 product, close to the weight-only one; decode rows do not."""
+def test_int8_activation_product_serves_prompt_passes_only_whatever_their_rows():
+    """Inside a prompt pass every product rounds activations (1 row or 300), outside none does (1 or
+    300: a decode batch): the rounding of a token never depends on how its prompt was cut or what
+    else runs. The int8 x int8 product stays close to the weight-only one."""
     import torch
+    from torch import nn
 
-    from service.engine.int8 import PROMPT_ACTIVATION_ROWS, Int8Linear, int8_matmul, quantize_rows
+    from service.engine.int8 import Int8Linear, Int8Mode, int8_matmul, prompt_pass, quantize_rows
 
     generator = torch.Generator().manual_seed(0)
     weight, scales = quantize_rows(torch.randn(4864, 896, generator=generator))
-    layer = Int8Linear(weight, scales, bias=None, activation_rows=PROMPT_ACTIVATION_ROWS)
-    for rows in (1, PROMPT_ACTIVATION_ROWS - 1, PROMPT_ACTIVATION_ROWS, 300):
+    model = nn.Sequential(Int8Linear(weight, scales, bias=None, mode=Int8Mode(prompt_activations=True)))
+    model.int8_mode = model[0].mode
+    for rows in (1, 11, 300):
         inputs = torch.randn(1, rows, 896, generator=generator).to(torch.bfloat16)
         weight_only = torch._weight_int8pack_mm(inputs[0], weight, scales)
-        output = layer(inputs)
+        assert torch.equal(model(inputs)[0], weight_only)
+        with prompt_pass(model):
+            output = model(inputs)
         assert output.shape == (1, rows, 4864) and output.dtype == torch.bfloat16
-        if rows < PROMPT_ACTIVATION_ROWS:
-            assert torch.equal(output[0], weight_only)
-        else:
-            assert torch.equal(output[0], int8_matmul(inputs[0], weight, scales))
-            error = (output[0].float() - weight_only.float()).norm() / weight_only.float().norm()
-            assert error < 0.02, f"{rows} rows: relative error {error:.4f}"
-    inputs = torch.randn(PROMPT_ACTIVATION_ROWS, 896, generator=generator).to(torch.bfloat16)
+        assert torch.equal(output[0], int8_matmul(inputs[0], weight, scales))
+        error = (output[0].float() - weight_only.float()).norm() / weight_only.float().norm()
+        assert error < 0.02, f"{rows} rows: relative error {error:.4f}"
+    model.int8_mode.prompt_activations = False
+    with prompt_pass(model):
+        assert torch.equal(model(inputs)[0], weight_only)
     copy = inputs.clone()
-    int8_matmul(inputs, weight, scales)
+    int8_matmul(inputs[0], weight, scales)
     assert torch.equal(inputs, copy), "the product must not change its input"

@@ -20,7 +20,7 @@ from .loading import (
     return_freed_memory,
 )
 from .batching import DecodeBatch
-from .int8 import PROMPT_ACTIVATION_ROWS, apply_int8
+from .int8 import apply_int8, prompt_pass
 from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
@@ -228,19 +228,21 @@ class Engine:
         began = time.monotonic()
         dtype = DTYPES[self.settings.dtype]
         self.model = load_model(self.model_dir, dtype)
+        # Counted before int8 turns the Linear weights into buffers, which parameters() skips.
+        parameters = sum(p.numel() for p in self.model.parameters())
         self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
         # Replies differ between weight formats (and int8 activations or not): hosts serving
         # different ones must not share cached replies, so the format is part of the fingerprint.
         weight_format = self.settings.dtype
         if self.settings.dtype == "int8":
-            activation_rows = PROMPT_ACTIVATION_ROWS if self.settings.int8_prompt_activations else None
+            prompt_activations = self.settings.int8_prompt_activations
             converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir),
-                                   files_fingerprint, activation_rows)
+                                   files_fingerprint, prompt_activations)
             quantization = "int8 weights per row"
-            if activation_rows:
-                quantization += f", int8 activations per token from {activation_rows} rows"
-                weight_format += f":a8from{activation_rows}"
+            if prompt_activations:
+                quantization += ", int8 activations per token in prompt passes"
+                weight_format += ":a8prompt"
             self.facts.update(int8_weights=str(converted), quantization=quantization)
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
@@ -248,7 +250,7 @@ class Engine:
         self.facts.update(
             load_seconds=round(time.monotonic() - began, 3),
             dtype=self.settings.dtype,
-            parameters=sum(p.numel() for p in self.model.parameters()),
+            parameters=parameters,
             torch_threads=torch.get_num_threads(),
             context_length=self.context_length,
             fingerprint=self.fingerprint,
@@ -407,7 +409,7 @@ class Engine:
         try:
             began = time.monotonic()
             chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
-            with torch.inference_mode():
+            with torch.inference_mode(), prompt_pass(self.model):
                 output = self.model(
                     input_ids=torch.tensor([chunk]),
                     cache=sequence.cache,

@@ -3,16 +3,19 @@
 Converted once into a safetensors file beside the others and memory-mapped like them, so every
 worker reads the same page-cache pages (no private packed copy, no fp32 detour at load).
 
-Two matrix products read that one file. Decoding (a few rows per step) uses torch's
-`_weight_int8pack_mm`: bf16 activations, int8 weights, half the bytes of bf16 per token. A prompt
-pass (many rows) quantizes its activations to int8 too, one scale per row, and multiplies int8 by
-int8 with `torch._int_mm` (oneDNN, VNNI where the CPU has it): 2-3x faster than the weight-only
-product there, which is slow at many rows (README, Performance).
+Two matrix products read that one file. Decoding uses torch's `_weight_int8pack_mm`: bf16
+activations, int8 weights, half the bytes of bf16 per token. Prompt passes (inside `prompt_pass`)
+round their activations to int8 too, one scale per token, and multiply int8 by int8 with
+`torch._int_mm` (oneDNN, VNNI where the CPU has it): 2-3x faster than the weight-only product,
+which is slow with many rows (README, Performance). The choice follows the kind of pass, never the
+number of rows, so a token's rounding does not depend on how its prompt was cut or what else runs.
 """
 
 import fcntl
 import logging
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,32 +30,50 @@ INT8_SUFFIX = ".int8"
 SCALE_SUFFIX = ".scale"
 OUTPUT_LAYER = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
-# From this many rows on, int8 activations beat the weight-only product (measured at 1 and 2
-# threads on a 896 x 9728 matrix: 0.9x at 8 rows, 1.2x at 12, 2.3x at 34, 2.9x at 512).
-PROMPT_ACTIVATION_ROWS = 12
+
+
+@dataclass
+class Int8Mode:
+    """What a model's Int8Linear layers share: whether prompt passes round activations, and whether one runs."""
+
+    prompt_activations: bool
+    in_prompt_pass: bool = False
+
+
+@contextmanager
+def prompt_pass(model):
+    """Mark the forwards inside as a prompt pass (for a model without int8 layers, nothing changes)."""
+    mode = getattr(model, "int8_mode", None)
+    if mode is None:
+        yield
+        return
+    mode.in_prompt_pass = True
+    try:
+        yield
+    finally:
+        mode.in_prompt_pass = False
 
 
 class Int8Linear(nn.Module):
     """A bias-optional Linear whose weight is int8 rows times bf16 row scales."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 activation_rows: int | None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, mode: Int8Mode):
         super().__init__()
-        self.activation_rows = activation_rows
+        self.mode = mode
         self.register_buffer("weight_int8", weight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Multiply activations by the int8 weight: int8 too from `activation_rows` rows on, else bf16."""
+        """Multiply activations by the int8 weight: rounded to int8 too in prompt passes, else bf16."""
         flat = inputs.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.activation_rows is not None and flat.shape[0] >= self.activation_rows:
+        if self.mode.prompt_activations and self.mode.in_prompt_pass:
             output = int8_matmul(flat, self.weight_int8, self.scales)
         else:
             output = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         if self.bias is not None:
-            output = output + self.bias
+            output.add_(self.bias)
         return output.reshape(*inputs.shape[:-1], self.out_features)
 
 
@@ -109,12 +130,10 @@ def convert_to_int8(model_dir: Path, model, target: Path) -> None:
     os.replace(temporary, target)
 
 
-def apply_int8(model, model_dir: Path, converted_dir: Path, fingerprint: str,
-               activation_rows: int | None = None) -> Path:
+def apply_int8(model, model_dir: Path, converted_dir: Path, fingerprint: str, prompt_activations: bool) -> Path:
     """Swap every Linear of a loaded bf16 model for an Int8Linear over the mapped int8 file.
 
-    Products of at least `activation_rows` rows quantize their activations to int8 as well
-    (None: never).
+    With prompt_activations, products inside `prompt_pass` round their activations to int8 as well.
     """
     target = int8_file_for(model_dir, converted_dir, fingerprint)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -127,11 +146,12 @@ def apply_int8(model, model_dir: Path, converted_dir: Path, fingerprint: str,
             log.info("converting the weights to int8 once, into %s", target)
             convert_to_int8(model_dir, model, target)
     tensors = map_safetensors(target)
+    model.int8_mode = Int8Mode(prompt_activations)
     for module_name, weight_name in int8_weight_names(model).items():
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         bias = old.bias.detach() if old.bias is not None else None
         setattr(parent, child, Int8Linear(tensors[weight_name + INT8_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
-                                          bias, activation_rows))
+                                          bias, model.int8_mode))
     return target
