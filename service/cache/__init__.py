@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 
-from ..engine import Failed, Finished, Started, TextDelta
+from ..engine import Failed, Finished, Started, TextDelta, events_until_last
 from .. import metrics
 from ..errors import APIError
 from .entries import (
@@ -70,10 +70,7 @@ class EventSource:
 
     def events(self):
         """Yield every event up to and including the last one."""
-        while (event := self.next_event()) is not None:
-            yield event
-            if _is_last(event):
-                return
+        return events_until_last(self)
 
     def cancel(self) -> None:
         """Stop the reply; a leader's generation is cancelled and its followers take over."""

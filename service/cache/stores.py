@@ -30,7 +30,6 @@ class RedisStore:
     """The shared store: one Redis (or Sentinel/Cluster front) for every worker and host."""
 
     stream_start = "0-0"
-    name = "redis"
 
     def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float, wait_seconds: float):
         # No retries: a failed call fails fast and the caller serves uncached.
@@ -97,7 +96,6 @@ class LocalStore:
     """The embedded store: one worker's memory, an LRU of replies plus locks and streams for its threads."""
 
     stream_start = 0
-    name = "local"
     errors = ()
 
     def __init__(self, max_entries: int):
