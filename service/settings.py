@@ -91,8 +91,8 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         128, ge=16, description="Prompt tokens a worker processes between two decode steps of its running "
         "streams: a long prompt arriving delays their next token by about this much work (a 512-token "
-        "prompt stalled them 0.34 s at 128, 0.54 s at 256) and is processed in chunks of this size "
-        "(11% slower than 256 when cold; see README, Performance)."
+        "prompt stalled them 0.33 s at 128, 0.54 s at 256) and is processed in chunks of this size "
+        "(9% slower than 256 when cold; see README, Performance)."
     )
     warmup: bool = Field(True, description="Run a short real generation before reporting ready.")
     sse_ping_seconds: float = Field(

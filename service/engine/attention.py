@@ -1,12 +1,13 @@
 """Attention for decoding: one query per sequence, its key/value heads shared by groups of query heads.
 
 transformers hands one query per head to torch's CPU SDPA kernel with `enable_gqa`; that kernel
-walks the keys once per query head, and a decode step of the 0.5B model took 61 ms at 1,000 tokens
-of context and 120 ms at 3,000, against 34 ms at 40 (one thread). Handing it each key/value head's
+walks the keys once per query head, and a decode step of the 0.5B model took 62 ms at 1,000 tokens
+of context and 124 ms at 3,000, against 35 ms at 40 (one thread). Handing it each key/value head's
 group of query heads as that head's queries walks the keys once per key/value head: the same
-output, 13x less attention time (bench/attention_probe.py). A plain bf16 matrix product would be
-as fast but builds a oneDNN primitive for every new context length, and torch caches them: a
-worker grew by 170 MB per long conversation. Prompt passes keep transformers' SDPA call.
+output, and 35 and 42 ms (bench/attention_probe.py). A plain bf16 matrix product would be as fast
+but builds a oneDNN primitive for every new context length, and torch caches them, so a worker
+grows with every long conversation (tests/test_attention.py checks this one does not). Prompt
+passes keep transformers' SDPA call.
 Registered with transformers' AttentionInterface as ATTENTION, so the model calls it for SDPA.
 """
 
