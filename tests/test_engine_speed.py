@@ -209,3 +209,21 @@ def test_int8_activation_product_serves_prompt_passes_only_whatever_their_rows()
     copy = inputs.clone()
     int8_matmul(inputs[0], weight, scales)
     assert torch.equal(inputs, copy), "the product must not change its input"
+
+
+def test_a_built_cache_holds_the_given_tensors_and_appending_leaves_them_unchanged(tiny_model_dir):
+    """Batch joins and prefix lookups hand their tensors over without another copy, and never see them written."""
+    import torch
+    from transformers import AutoConfig
+
+    from service.engine.prefixes import build_cache
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    layers = [(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)) for _ in range(config.num_hidden_layers)]
+    copies = [(keys.clone(), values.clone()) for keys, values in layers]
+    cache = build_cache(config, layers)
+    assert cache.get_seq_length() == 5
+    assert all(layer.keys is keys and layer.values is values for layer, (keys, values) in zip(cache.layers, layers))
+    cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    assert cache.layers[0].keys.shape[-2] == 6
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(layers, copies))

@@ -5,6 +5,7 @@ from collections import OrderedDict
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -13,10 +14,20 @@ def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """Build a DynamicCache that holds the given per-layer keys and values."""
+    """Build a DynamicCache that holds the given per-layer keys and values, without copying them.
+
+    DynamicCache.update would copy each tensor once more (it concatenates onto an empty one), and
+    a batch join or leave already made fresh tensors while every running stream waits. The next
+    update concatenates into new tensors, so what was handed in is never written.
+    """
     cache = DynamicCache(config=config)
     for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
+        layer = cache.layers[index] if index < len(cache.layers) else None
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:  # sliding-window and other layers trim what they keep: let them
+            cache.update(keys, values, index)
     return cache
 
 
@@ -58,8 +69,8 @@ class PrefixStore:
             return None, 0
         self._entries.move_to_end(best_key)
         _, layers = self._entries[best_key]
-        # Slices are views; the sequence's cache appends with torch.cat (new tensors), so the
-        # stored entry is never written through them.
+        # Slices are views, and build_cache keeps them as they are; the sequence's cache appends
+        # with torch.cat (new tensors), so the stored entry is never written through them.
         return build_cache(self.config, [(k[:, :, :best_length], v[:, :, :best_length]) for k, v in layers]), best_length
 
     def store(self, prompt_ids: list[int], cache: DynamicCache) -> None:
