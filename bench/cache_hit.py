@@ -20,9 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from bench import save_results  # noqa: E402
 from support import GunicornServer, RedisServer  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
 
 
 def timed_stream(url: str, body: dict) -> dict:
@@ -102,11 +101,8 @@ def main() -> None:
             redis.stop()
     summary = summarize(runs)
     config = {"model": args.model, "repetitions": args.repetitions, "max_tokens": args.max_tokens, "workers": 1}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cache_hit.json").write_text(json.dumps({**config, "summary": summary, "runs": runs}, indent=2))
     markdown = f"# Cache hit vs miss\n\n{json.dumps(config)}\n\n{table(summary)}\n"
-    (RESULTS / "cache_hit.md").write_text(markdown)
-    sys.stdout.write(table(summary) + "\n")
+    save_results("cache_hit", {**config, "summary": summary, "runs": runs}, markdown)
 
 
 if __name__ == "__main__":

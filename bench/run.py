@@ -29,6 +29,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support import GunicornServer, RedisServer, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
+from bench import RESULTS_DIR, save_results  # noqa: E402
 from service.settings import Settings, physical_cores  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
@@ -208,12 +209,11 @@ def element_counts_of(model_dir: Path) -> dict[str, int]:
     return {name: math.prod(info["shape"]) for name, info in safetensors_header(model_dir / "model.safetensors").items()}
 
 
-def served_weight_bytes(model_dir: Path, dtype: str) -> int:
+def served_weight_bytes(model_dir: Path, dtype: str, converted: Path | None) -> int:
     """Return the bytes of one copy of the weights as served: for int8 the converted file plus the bf16 tensors it keeps."""
     counts = element_counts_of(model_dir)
     if dtype != "int8":
         return sum(counts.values()) * {"bfloat16": 2, "float32": 4}[dtype]
-    converted = max(model_dir.glob("corechat-int8-*.safetensors"), key=lambda path: path.stat().st_mtime)
     replaced = {name.removesuffix(".int8") for name in safetensors_header(converted) if name.endswith(".int8")}
     return converted.stat().st_size + 2 * sum(count for name, count in counts.items() if name not in replaced)
 
@@ -431,8 +431,10 @@ def run(plan: Plan, dtype: str, settings: dict) -> dict:
                 results["scenario_4_cache_hit"] = scenario_cache_hit(server.url, plan)
                 progress("scenario 5: memory of all processes")
                 memory = memory_of(server)
-                served = served_weight_bytes(plan.model_dir, dtype)
-                kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in ready_facts(server).values())
+                workers_facts = list(ready_facts(server).values())
+                converted = workers_facts[0].get("int8_weights")  # the file the workers map
+                served = served_weight_bytes(plan.model_dir, dtype, Path(converted) if converted else None)
+                kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
                                                 "pss_to_weights_and_kv": memory["pss"] / (served + kv_bytes)}
             finally:
@@ -520,7 +522,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few repetitions: checks that it all runs")
     parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
-    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
     parser.add_argument(
         "--dtype", default=Settings.model_fields["dtype"].default, help="DTYPE setting of the served model"
@@ -542,11 +544,7 @@ def main() -> None:
     settings = dict(item.split("=", 1) for item in args.set)
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.dtype}"
     results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()})
-    table = render_markdown(name, results)
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.results_dir / f"{name}.md").write_text(table)
-    print(table)
+    save_results(name, results, render_markdown(name, results), args.results_dir)
     progress(f"wrote {args.results_dir / name}.json and .md")
 
 

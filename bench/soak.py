@@ -23,6 +23,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from bench import RESULTS_DIR, save_results  # noqa: E402
 from support import TINY_MODEL_DIR, GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
 
 from service.devmodel import build_dev_model  # noqa: E402
@@ -211,16 +212,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds after which a request counts as hung")
     parser.add_argument("--rss-growth-limit-mb", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens = 60, 4
     report = soak(args)
-    table = render_table(report)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "soak.md").write_text(table + "\n")
+    save_results("soak", report, render_table(report) + "\n", args.out)
     return 0 if report["passed"] else 1
 
 
