@@ -227,3 +227,27 @@ def test_a_built_cache_holds_the_given_tensors_and_appending_leaves_them_unchang
     cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
     assert cache.layers[0].keys.shape[-2] == 6
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(layers, copies))
+
+
+def test_prefix_store_drops_a_stored_prompt_that_a_new_one_extends(tiny_model_dir):
+    """A conversation's earlier turn can never be the longest match again: its copy goes, its bytes too."""
+    import torch
+    from transformers import AutoConfig
+
+    from service.engine.prefixes import PrefixStore, build_cache
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+
+    def cache_of(tokens: int):
+        return build_cache(config, [(torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16))
+                                    for _ in range(config.num_hidden_layers)])
+
+    store = PrefixStore(config, capacity_bytes=1 << 30)
+    store.store([1, 2, 3], cache_of(3))
+    store.store([7, 8], cache_of(2))
+    token_bytes = store.bytes // 5
+    store.store([1, 2, 3, 4, 5], cache_of(5))
+    assert list(store._entries) == [(7, 8), (1, 2, 3, 4, 5)]
+    assert store.bytes == (2 + 5) * token_bytes
+    assert store.lookup([1, 2, 3, 9])[1] == 3
+    assert store.lookup([1, 2, 3, 4, 5, 6])[1] == 5

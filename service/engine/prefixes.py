@@ -47,10 +47,6 @@ class PrefixStore:
         self.bytes = 0
         self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, list]] = OrderedDict()
 
-    def __len__(self) -> int:
-        """Return the number of stored prompts."""
-        return len(self._entries)
-
     def lookup(self, prompt_ids: list[int]) -> tuple[DynamicCache | None, int]:
         """Return a fresh cache holding the longest stored prefix of the prompt, and its length.
 
@@ -85,8 +81,16 @@ class PrefixStore:
         size = sum(keys.nbytes + values.nbytes for keys, values in layers)
         if size > self.capacity_bytes:
             return
+        # A stored prompt that this one extends (a conversation's previous turn) can never be the
+        # longest match again: drop it rather than keep a nested copy until the LRU gets to it.
+        for shorter in [stored for stored in self._entries if len(stored) < len(key) and key[: len(stored)] == stored]:
+            self._drop(shorter)
         while self._entries and self.bytes + size > self.capacity_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= sum(keys.nbytes + values.nbytes for keys, values in evicted)
+            self._drop(next(iter(self._entries)))
         self._entries[key] = (torch.tensor(prompt_ids), layers)
         self.bytes += size
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        """Forget one stored prompt and its bytes."""
+        _, layers = self._entries.pop(key)
+        self.bytes -= sum(keys.nbytes + values.nbytes for keys, values in layers)
