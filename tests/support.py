@@ -32,6 +32,37 @@ def free_port() -> int:
 TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
 
 
+# A prompt the tiny model answers at any length: the end-to-end tests' default.
+COUNTING = [{"role": "user", "content": "Count to a thousand, slowly."}]
+
+
+def chat(server, **body) -> requests.Response:
+    """Send one chat request (COUNTING unless `messages` is given) on a fresh connection, so requests spread over the workers."""
+    return requests.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": COUNTING, **body},
+        headers={"Connection": "close"},
+        timeout=60,
+    )
+
+
+def finished_by_worker(server) -> dict[int, int]:
+    """Return the generations each worker of a server finished, keyed by pid."""
+    return {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
+
+
+def send_until_every_worker_served(server, send_round, most_rounds: int) -> dict[int, int]:
+    """Call send_round until every worker has finished a generation since (or most_rounds calls);
+    return how many each finished. The kernel may hand many connections in a row to one worker."""
+    before = finished_by_worker(server)
+    for _ in range(most_rounds):
+        send_round()
+        served = {pid: count - before[pid] for pid, count in finished_by_worker(server).items()}
+        if all(served.values()):
+            break
+    return served
+
+
 def anonymous_megabytes(pid: int | str = "self") -> float:
     """Return a process's anonymous memory in MB (this process's by default)."""
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():

@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from support import GunicornServer, RedisServer, ready_facts, scrape, stream_reply, value
+from support import GunicornServer, RedisServer, finished_by_worker, scrape, stream_reply, value
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,8 @@ def two_workers(tiny_model_dir, shared_redis, tmp_path_factory):
     server.stop()
 
 
-def generations(server) -> int:
-    """Return the generations every worker of a server finished."""
-    return sum(facts["requests_finished"] for facts in ready_facts(server).values())
-
-
 def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_live(two_workers):
-    before = generations(two_workers)
+    before = sum(finished_by_worker(two_workers).values())
     samples_before = scrape(two_workers)
     replies = [{} for _ in range(4)]
     threads = [threading.Thread(target=stream_reply, args=(two_workers.url, BODY, reply)) for reply in replies]
@@ -55,7 +50,7 @@ def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_
         thread.start()
     for thread in threads:
         thread.join(300)
-    assert generations(two_workers) - before == 1
+    assert sum(finished_by_worker(two_workers).values()) - before == 1
     leader = next(reply for reply in replies if reply["status"] == "miss")
     followers = [reply for reply in replies if reply is not leader]
     assert [reply["status"] for reply in followers] == ["hit"] * 3

@@ -13,11 +13,10 @@ import time
 import pytest
 import requests
 
-from support import GunicornServer
+from support import COUNTING, GunicornServer, ready_facts
 
-USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 # Long enough to outlast every test step; the server's max_generation_seconds ends it in bounded time.
-ENDLESS = {"messages": USER, "max_tokens": 30_000, "temperature": 0}
+ENDLESS = {"messages": COUNTING, "max_tokens": 30_000, "temperature": 0}
 GENERATION_SECONDS = 8
 TOKEN = b'"delta":{"content":"'  # a generated token, not the role chunk sent before generation starts
 DONE = b"data: [DONE]\n\n\r\n0\r\n\r\n"  # the last SSE event and the end of the chunked body
@@ -99,7 +98,7 @@ def time_a_one_token_request(server) -> float:
     """Return the seconds a one-token request takes from send to reply."""
     began = time.monotonic()
     response = requests.post(
-        f"{server.url}/v1/chat/completions", json={"messages": USER, "max_tokens": 1}, timeout=60
+        f"{server.url}/v1/chat/completions", json={"messages": COUNTING, "max_tokens": 1}, timeout=60
     )
     assert response.status_code == 200, response.text
     return time.monotonic() - began
@@ -115,7 +114,7 @@ def test_full_queue_gets_503_with_retry_after_at_once_and_accepted_requests_comp
     assert (facts["running"], facts["waiting"]) == (1, 1)
 
     began = time.monotonic()
-    refused = requests.post(f"{single_slot_server.url}/v1/chat/completions", json={"messages": USER}, timeout=10)
+    refused = requests.post(f"{single_slot_server.url}/v1/chat/completions", json={"messages": COUNTING}, timeout=10)
     refusal_seconds = time.monotonic() - began
     assert refused.status_code == 503
     assert refused.headers["Retry-After"] == "1"
@@ -181,13 +180,7 @@ def two_worker_server(tiny_model_dir, tmp_path):
 
 def busy_workers(server) -> dict[int, int]:
     """Return, for every worker, how many generations it runs or queues."""
-    counts = {}
-    for _ in range(40):
-        facts = readyz(server)
-        counts[facts["worker_pid"]] = facts["running"] + facts["waiting"]
-        if len(counts) == server.workers:
-            break
-    return counts
+    return {pid: facts["running"] + facts["waiting"] for pid, facts in ready_facts(server).items()}
 
 
 def test_worker_killed_mid_stream_ends_only_its_streams_and_is_replaced(two_worker_server):

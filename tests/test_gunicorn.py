@@ -7,15 +7,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import anonymous_megabytes, ready_facts, stream_lines
+from support import COUNTING, anonymous_megabytes, chat, ready_facts, send_until_every_worker_served, stream_lines
 
-USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 
 
 def test_stream_over_real_http(gunicorn_server):
     with requests.post(
         f"{gunicorn_server.url}/v1/chat/completions",
-        json={"messages": USER, "max_tokens": 20, "seed": 5, "stream": True},
+        json={"messages": COUNTING, "max_tokens": 20, "seed": 5, "stream": True},
         stream=True,
         timeout=60,
     ) as response:
@@ -28,24 +27,16 @@ def test_stream_over_real_http(gunicorn_server):
 
 
 def test_both_workers_generate(gunicorn_server):
-    """Every worker serves requests. The kernel may hand many connections in a row to one worker,
-    so requests go out until each worker has served one (or 300 went out)."""
-    before = {pid: facts["requests_finished"] for pid, facts in ready_facts(gunicorn_server).items()}
-    assert len(before) == 2
-    sent, served = 0, {}
-    while sent < 300 and not (served and all(served.values())):
+    sent = []
+
+    def send_round() -> None:
         for _ in range(10):
-            response = requests.post(
-                f"{gunicorn_server.url}/v1/chat/completions",
-                json={"messages": USER, "max_tokens": 2},
-                headers={"Connection": "close"},
-                timeout=60,
-            )
-            assert response.status_code == 200
-        sent += 10
-        after = {pid: facts["requests_finished"] for pid, facts in ready_facts(gunicorn_server).items()}
-        served = {pid: after[pid] - before[pid] for pid in before}
-    assert sum(served.values()) == sent
+            assert chat(gunicorn_server, max_tokens=2).status_code == 200
+            sent.append(1)
+
+    served = send_until_every_worker_served(gunicorn_server, send_round, most_rounds=30)
+    assert len(served) == 2
+    assert sum(served.values()) == len(sent)
     assert all(count > 0 for count in served.values()), served
 
 
@@ -56,7 +47,7 @@ def test_health_answers_fast_during_a_long_stream(gunicorn_server):
     def long_stream():
         with requests.post(
             f"{gunicorn_server.url}/v1/chat/completions",
-            json={"messages": USER, "max_tokens": 3000, "temperature": 0, "stream": True},
+            json={"messages": COUNTING, "max_tokens": 3000, "temperature": 0, "stream": True},
             stream=True,
             timeout=120,
         ) as response:
@@ -84,7 +75,7 @@ def test_stream_longer_than_gunicorn_timeout_completes(gunicorn_server):
     began = time.monotonic()
     with requests.post(
         f"{gunicorn_server.url}/v1/chat/completions",
-        json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+        json={"messages": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": True},
         stream=True,
         timeout=120,
     ) as response:

@@ -13,7 +13,7 @@ import requests
 from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from support import parse_samples, ready_facts, scrape, value, wait_for_samples
+from support import COUNTING, chat, parse_samples, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
 
 from service import metrics
 from service.cache import EventSource, Flight
@@ -21,23 +21,12 @@ from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
 from service.observed import ObservedGeneration
 
-USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
 STREAMS = 4
 
 
 def pids_labelled(samples: dict, name: str) -> set[str]:
     """Return the `pid` labels of a per-worker (liveall) gauge."""
     return {dict(labels)["pid"] for sample_name, labels in samples if sample_name == name}
-
-
-def chat(server, **body) -> requests.Response:
-    """Send one chat request on a fresh connection, so requests spread over the workers."""
-    return requests.post(
-        f"{server.url}/v1/chat/completions",
-        json={"messages": USER, **body},
-        headers={"Connection": "close"},
-        timeout=60,
-    )
 
 
 class OpenStreams:
@@ -47,7 +36,7 @@ class OpenStreams:
         self.responses = [
             requests.post(
                 f"{server.url}/v1/chat/completions",
-                json={"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True},
+                json={"messages": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": True},
                 # Identical greedy streams would share one generation through the cache.
                 headers={"Connection": "close", "Cache-Control": "no-cache"},
                 stream=True,
@@ -127,17 +116,15 @@ def test_master_empties_the_metrics_folder_of_an_earlier_run(server, metrics_dir
 
 
 def test_token_counters_equal_the_usage_of_responses_across_both_workers(server):
-    before_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
     before = scrape(server)
-    # The kernel may hand many connections in a row to one worker: send until both have served.
     usages = []
-    while len(usages) < 120:
-        usages += [chat(server, max_tokens=random.randint(1, 12), seed=len(usages) + seed).json()["usage"]
-                   for seed in range(12)]
-        after_finished = {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
-        if all(after_finished[pid] > before_finished[pid] for pid in before_finished):
-            break
-    assert all(after_finished[pid] > before_finished[pid] for pid in before_finished), "one worker served all"
+
+    def send_round() -> None:
+        usages.extend(chat(server, max_tokens=random.randint(1, 12), seed=len(usages) + seed).json()["usage"]
+                      for seed in range(12))
+
+    served = send_until_every_worker_served(server, send_round, most_rounds=10)
+    assert all(served.values()), f"one worker served all: {served}"
     after = scrape(server)
 
     def delta(name, **labels):
@@ -306,7 +293,7 @@ def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timing
 
 def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled(engine):
     cancelled = local_value("corechat_requests_total", outcome="cancelled")
-    prompt_ids = engine.encode(engine.render_prompt(USER))
+    prompt_ids = engine.encode(engine.render_prompt(COUNTING))
     observed = ObservedGeneration(
         engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0)), arrived_at=time.monotonic()
     )

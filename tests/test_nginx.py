@@ -9,10 +9,9 @@ import pytest
 import requests
 
 from deploy_support import NginxServer
-from support import GunicornServer
+from support import COUNTING, GunicornServer
 
-USER = [{"role": "user", "content": "Count to a thousand, slowly."}]
-LONG_REPLY = {"messages": USER, "max_tokens": 4000, "temperature": 0}
+LONG_REPLY = {"messages": COUNTING, "max_tokens": 4000, "temperature": 0}
 # nginx's read timeout for the stream route in these tests, and the ping interval well inside it.
 READ_TIMEOUT_SECONDS = 2
 PING_SECONDS = 0.5
@@ -105,7 +104,7 @@ def test_queued_stream_is_unbuffered_and_kept_alive_by_pings_past_the_read_timeo
     occupier_finished = {}
     occupier = occupy_engine(gunicorn.url, occupier_finished)
     events = []
-    read_stream(nginx.url, {"messages": USER, "max_tokens": 50}, events)
+    read_stream(nginx.url, {"messages": COUNTING, "max_tokens": 50}, events)
     occupier.join()
     kinds = [kind for kind, _ in events]
     first_data_at = next(at for kind, at in events if kind == "data")

@@ -9,8 +9,7 @@ import time
 import pytest
 import requests
 import yaml
-from support import REPO, free_port, scrape
-from test_metrics import chat
+from support import REPO, chat, free_port, scrape
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"

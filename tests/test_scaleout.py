@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from deploy_support import NginxServer, ShippedRedis
-from support import GunicornServer, ready_facts, scrape, stream_reply, value
+from support import GunicornServer, finished_by_worker, scrape, stream_reply, value
 
 CHAT = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "temperature": 0, "seed": 7}
 
@@ -60,17 +60,12 @@ def test_reply_generated_on_one_host_is_a_cache_hit_on_the_other(two_hosts):
     assert all(count_after > count_before for count_before, count_after in zip(before, after))
 
 
-def finished_generations(instance: GunicornServer) -> int:
-    """Return the generations an instance's engine finished."""
-    return sum(facts["requests_finished"] for facts in ready_facts(instance).values())
-
-
 def test_a_follower_on_the_other_host_shares_one_generation_under_the_shipped_acl(two_hosts):
     """Every command of single-flight (locks, Lua renew/release, stream add/read) is allowed to `corechat`."""
     (first, second), _ = two_hosts
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300,
             "temperature": 0, "stream": True}
-    before = finished_generations(first) + finished_generations(second)
+    before = sum(finished_by_worker(first).values()) + sum(finished_by_worker(second).values())
     followers_before = value(scrape(second), "corechat_singleflight_followers_total")
     leader, follower = {}, {}
     leader_joined, follower_joined = threading.Event(), threading.Event()
@@ -83,7 +78,7 @@ def test_a_follower_on_the_other_host_shares_one_generation_under_the_shipped_ac
     following.join(120)
     assert (leader["status"], follower["status"]) == ("miss", "hit")
     assert follower["chunks"] == leader["chunks"] and len(leader["chunks"]) > 1
-    assert finished_generations(first) + finished_generations(second) - before == 1
+    assert sum(finished_by_worker(first).values()) + sum(finished_by_worker(second).values()) - before == 1
     assert value(scrape(second), "corechat_singleflight_followers_total") - followers_before == 1
     # A refused command fails open silently for the client: only the log tells.
     for instance in (first, second):
