@@ -1,7 +1,8 @@
 """Gunicorn settings for corechat, every one from the environment (see service/settings.py).
 
-The master never imports torch or the app: each worker imports the app after fork and loads its
-own engine in post_worker_init, so the master stays small and forks stay cheap.
+The master imports the libraries the workers use (PRELOAD_LIBRARIES, on by default) but never
+creates the app, loads a model or runs torch: each worker creates the app after fork and loads its
+own engine in post_worker_init.
 """
 
 import os
@@ -24,10 +25,18 @@ os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 # first uses oneDNN, after fork.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+# numpy (which torch imports) starts an OpenBLAS thread pool at import; nothing in corechat calls
+# numpy's BLAS, and a master with no other thread cannot fork while one holds a lock.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from service.settings import get_settings  # noqa: E402 (after the metrics folder, see above)
 
 settings = get_settings()
+
+if settings.preload_libraries:
+    from service.lifecycle import import_worker_libraries
+
+    import_worker_libraries()
 
 wsgi_app = "wsgi:app"
 bind = settings.bind
@@ -38,7 +47,7 @@ workers = settings.worker_count
 # worker hold many open streams; generation itself is serialised in the engine thread.
 worker_class = "gthread"
 threads = settings.http_threads
-# The app (and torch) load in each worker, never in the master.
+# The app (and the model) load in each worker, never in the master.
 preload_app = False
 # gthread workers heartbeat from their main loop, not from request threads, so a stream that lasts
 # minutes does not trip this timeout; it only catches a hung worker.

@@ -10,6 +10,21 @@ from .settings import physical_core_groups
 log = logging.getLogger(__name__)
 
 
+def import_worker_libraries() -> None:
+    """Import torch, transformers and the app's modules in the master, for the workers to share.
+
+    Only imports run here: no model, no tensor, no thread pool (gunicorn.conf.py keeps OpenBLAS from
+    starting one), so the master stays single-threaded and forks hold no lock another thread took;
+    each worker sets its own threads and loads its own model after fork. gc.freeze() keeps the
+    workers' garbage collections from writing to, and so copying, the pages these objects live on.
+    """
+    import gc
+
+    from . import api, auth, cache, chat, engine, errors, limits, metrics, observed, openapi, ui  # noqa: F401
+
+    gc.freeze()
+
+
 def assign_slot(server, worker) -> None:
     """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
     taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}

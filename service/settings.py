@@ -1,7 +1,7 @@
 """Every setting of corechat, read once from the environment.
 
-This module must stay importable without torch: `gunicorn.conf.py` reads it in the master, and the
-master never touches torch.
+This module must stay importable without torch: `gunicorn.conf.py` reads it in the master before
+it decides whether to import torch at all (PRELOAD_LIBRARIES).
 """
 
 import os
@@ -113,6 +113,11 @@ class Settings(BaseSettings):
         120, ge=1, description="Seconds a stopping worker lets in-flight streams finish."
     )
     log_level: str = Field("info", description="Log level of the service and Gunicorn.")
+    preload_libraries: bool = Field(
+        True, description="Import torch, transformers and the app's modules in the Gunicorn master before it "
+        "forks the workers (only imports: no model, no tensor, no thread pool), so the workers share that "
+        "interpreter state instead of each holding a private copy (see docs/performance.md)."
+    )
 
     # Cache
     redis_url: str = Field(
