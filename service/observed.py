@@ -4,11 +4,19 @@ The wrapper has the interface of the engine's Generation (`next_event`, `events`
 serving class streams from it unchanged and the engine needs no instrumentation of its own.
 """
 
+import logging
 import threading
 import time
 
 from . import metrics
 from .engine import Failed, Finished, Started, TextDelta, events_until_last
+
+log = logging.getLogger(__name__)
+
+
+def ms(seconds: float) -> str:
+    """Format seconds as milliseconds for a log line."""
+    return f"{seconds * 1000:.1f}"
 
 
 class ObservedGeneration:
@@ -17,14 +25,21 @@ class ObservedGeneration:
     def __init__(self, source, *, arrived_at: float):
         self.source = source
         self.arrived_at = arrived_at
+        # The request is parsed, rendered, tokenized and looked up in the cache by the time it is wrapped.
+        self.opened_at = time.monotonic()
         self.started = False
+        self.queue_seconds = 0.0
         self.first_text_at: float | None = None
+        self.first_written_at: float | None = None
         self._ended = False
         self._lock = threading.Lock()
         metrics.requests_waiting.inc()
 
     def next_event(self, timeout: float | None = None):
         """Return the source's next event (or None on timeout), recording what it tells."""
+        if self.first_text_at is not None and self.first_written_at is None:
+            # A stream asks for its next event once it has written the first text to the socket.
+            self.first_written_at = time.monotonic()
         event = self.source.next_event(timeout=timeout)
         if isinstance(event, Started):
             self._start(event)
@@ -57,6 +72,7 @@ class ObservedGeneration:
             metrics.requests_running.inc()
         # A cache replay never queued for an engine; its zero would drag the engine's queue times down.
         if not started.cached:
+            self.queue_seconds = started.queue_seconds
             metrics.queue_wait_seconds.observe(started.queue_seconds)
 
     def _finish(self, finished: Finished) -> None:
@@ -77,7 +93,22 @@ class ObservedGeneration:
         if finished.completion_tokens > 1 and not finished.cached:
             metrics.inter_token_latency_seconds.observe(finished.decode_seconds / (finished.completion_tokens - 1))
         metrics.generation_tokens_total.inc(finished.completion_tokens)
+        if not finished.cached and self.first_text_at is not None:
+            self._log_first_token(finished)
         self._end(finished.finish_reason)
+
+    def _log_first_token(self, finished: Finished) -> None:
+        """Log, at debug level, where the time until the first token went (docs/performance.md reads it)."""
+        first_token = self.first_text_at - self.arrived_at
+        before_queue = self.opened_at - self.arrived_at
+        after_prompt = first_token - before_queue - self.queue_seconds - finished.prompt_seconds
+        written = ms(self.first_written_at - self.first_text_at) if self.first_written_at else "-"
+        log.debug(
+            "first token timings (ms): first_token=%s before_queue=%s queue=%s prompt_pass=%s after_prompt_pass=%s "
+            "first_write=%s prompt_tokens=%d cached_prompt_tokens=%d",
+            ms(first_token), ms(before_queue), ms(self.queue_seconds), ms(finished.prompt_seconds),
+            ms(after_prompt), written, finished.prompt_tokens, finished.cached_prompt_tokens,
+        )
 
     def _end(self, outcome: str) -> None:
         """Release the request's gauge, count its outcome and duration, once."""
