@@ -37,9 +37,10 @@ serve: demo-model
 test: setup system-deps
 	$(PY) -m pytest -q
 
-# The benchmark (minutes; builds the 0.5B dev model once under ~/.cache/corechat); see README, Performance.
+# The benchmark beside llama.cpp's llama-server (minutes; builds the 0.5B dev model and llama.cpp
+# once under ~/.cache/corechat, about 10 minutes the first time); see docs/performance.md.
 bench: setup system-deps
-	$(PY) bench/run.py
+	$(PY) bench/run.py --peer
 
 # Every benchmark scenario on the tiny model with few repetitions: keeps the benchmark working in CI.
 bench-quick: setup system-deps

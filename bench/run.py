@@ -1,10 +1,12 @@
 """Benchmark corechat against plain transformers and against this machine's memory bandwidth.
 
     python bench/run.py            # the full run on the Qwen2.5-0.5B-shaped dev model (minutes)
+    python bench/run.py --peer     # and llama.cpp's llama-server beside it (builds it once, ~10 min)
     python bench/run.py --quick    # every scenario on the tiny model, for CI (asserts nothing)
 
 corechat runs as users run it: real Gunicorn from gunicorn.conf.py configured by the environment,
-real HTTP, SSE parsed here, and Redis on. Results go to bench/results/<name>.json and .md.
+real HTTP, SSE parsed here, and Redis on; llama-server (bench/peer.py) gets the same model folder,
+threads, parallel sequences and client. Results go to bench/results/<name>.json and .md.
 """
 
 import argparse
@@ -27,15 +29,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import GunicornServer, RedisServer, ready_facts  # noqa: E402  (the tests' real-server helpers)
+from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench.comparison import peer_ratios, render_peer_table  # noqa: E402
 from service.settings import Settings, physical_cores  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
 # Scenario 8 sends its long prompt this long after the short streams, once they decode.
 LONG_PROMPT_DELAY_SECONDS = 0.5
+# The context of one sequence, corechat's MAX_MODEL_LEN and each of llama-server's slots alike.
+CONTEXT_TOKENS = 4096
 SYSTEM_PROMPT_SENTENCE = "You are a careful assistant for the corechat benchmark; answer briefly and precisely. "
 
 
@@ -81,6 +86,7 @@ class StreamResult:
     first_byte_seconds: float = 0.0
     first_token_seconds: float = 0.0
     total_seconds: float = 0.0
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     x_cache: str = ""
@@ -120,6 +126,7 @@ def stream_chat(base_url: str, messages: list[dict], max_tokens: int, timeout: f
             if "error" in chunk:
                 result.error = chunk["error"].get("message", "error")
             if chunk.get("usage"):
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
             if any(choice["delta"].get("content") for choice in chunk.get("choices", [])):
                 if last_token_at is None:
@@ -170,16 +177,21 @@ def start_corechat(log_dir: Path, model_dir: Path, redis_url: str, **settings) -
     workers = int(settings.pop("workers", 0)) or physical_cores()
     if redis_url:
         settings["redis_url"] = redis_url
-    server = GunicornServer(log_dir, workers=workers, model=model_dir, max_queue=64, max_model_len=4096, **settings)
+    server = GunicornServer(log_dir, workers=workers, model=model_dir, max_queue=64, max_model_len=CONTEXT_TOKENS, **settings)
     began = time.perf_counter()
     server.start(timeout=600)
     return server, time.perf_counter() - began
 
 
-def memory_of(server: GunicornServer) -> dict:
-    """Sum the PSS and RSS of the master and every worker from /proc/PID/smaps_rollup."""
+def processes_of(server: GunicornServer) -> list[int]:
+    """Return the pids of Gunicorn's master and every worker."""
+    return [server.process.pid, *server.worker_pids()]
+
+
+def memory_of(pids: list[int]) -> dict:
+    """Sum the PSS and RSS of processes from /proc/PID/smaps_rollup."""
     totals = {"pss": 0, "rss": 0, "processes": 0}
-    for pid in [server.process.pid, *server.worker_pids()]:
+    for pid in pids:
         with open(f"/proc/{pid}/smaps_rollup") as file:
             for line in file:
                 key, _, rest = line.partition(":")
@@ -380,18 +392,57 @@ def scenario_matrix(log_dir: Path, model_dir: Path, redis_url: str, plan: Plan, 
     return rows
 
 
+def prompt_tokens_of(url: str) -> int:
+    """Return how many tokens a server makes of the short chat, as its usage reports: the chat template check."""
+    return stream_chat(url, short_chat("template check"), 1).prompt_tokens
+
+
+def measure_peer(toolchain, model: Path, log_dir: Path, plan: Plan, threads: int, slots: int) -> dict:
+    """Run scenarios 1, 3 and 5 against llama-server serving one GGUF file."""
+    from bench.peer import LlamaServer, shown_command
+
+    server = LlamaServer(toolchain, model, log_dir, port=free_port(), threads=threads, slots=slots,
+                         context_per_slot=CONTEXT_TOKENS)
+    began = time.perf_counter()
+    server.start()
+    try:
+        return {
+            "command": shown_command(server.command),
+            "seconds_until_ready": time.perf_counter() - began,
+            "prompt_tokens": prompt_tokens_of(server.url),
+            "scenario_1_short_prompt": scenario_short_prompt(server.url, plan),
+            "scenario_3_concurrency": scenario_concurrency(server.url, plan),
+            "scenario_5_memory": memory_of(server.pids()),
+        }
+    finally:
+        server.stop()
+
+
 # The run --------------------------------------------------------------------------------------
 
 
-def run(plan: Plan, dtype: str, settings: dict) -> dict:
+def vector_extensions() -> list[str]:
+    """Return the CPU's AVX, AMX and VNNI flags, which decide which kernels torch and llama.cpp run."""
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return sorted(flag for flag in flags if flag.startswith(("avx", "amx")) or "vnni" in flag)
+
+
+def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
     """Measure everything and return the results."""
     from service.devmodel import build_dev_model
 
     cores = physical_cores()
     progress(f"dev model {plan.preset} in {plan.model_dir} (built once)")
     build_dev_model(plan.model_dir, plan.preset)
+    if peer:
+        from bench.peer import QUANTIZATIONS, build, convert
+
+        # Before any measurement: building takes minutes and both cores.
+        toolchain = build()
+        peer_models = convert(toolchain, plan.model_dir)
     results = {"machine": {"cpu": platform.processor() or platform.machine(), "physical_cores": cores,
-                           "load_average_at_start": os.getloadavg()[0]},
+                           "vector_extensions": vector_extensions(), "load_average_at_start": os.getloadavg()[0]},
                "plan": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan).items()},
                "dtype": dtype, "settings": settings}
 
@@ -430,20 +481,30 @@ def run(plan: Plan, dtype: str, settings: dict) -> dict:
                 progress("scenario 4: response cache hit")
                 results["scenario_4_cache_hit"] = scenario_cache_hit(server.url, plan)
                 progress("scenario 5: memory of all processes")
-                memory = memory_of(server)
+                memory = memory_of(processes_of(server))
                 workers_facts = list(ready_facts(server).values())
                 converted = workers_facts[0].get("int8_weights")  # the file the workers map
                 served = served_weight_bytes(plan.model_dir, dtype, Path(converted) if converted else None)
                 kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
                                                 "pss_to_weights_and_kv": memory["pss"] / (served + kv_bytes)}
+                results["prompt_tokens"] = prompt_tokens_of(server.url)
             finally:
                 server.stop()
+            if peer:
+                slots = int(settings.get("max_running", Settings.model_fields["max_running"].default))
+                results["peer"] = {}
+                for quantization in QUANTIZATIONS:
+                    progress(f"llama.cpp {quantization}: scenarios 1, 3 and 5")
+                    results["peer"][quantization] = measure_peer(toolchain, peer_models[quantization], scratch, plan,
+                                                                 threads=cores, slots=slots)
             results["scenario_7_matrix"] = scenario_matrix(scratch, plan.model_dir, redis_url, plan, dtype)
         finally:
             if redis:
                 redis.stop()
     add_ratios(results)
+    if peer:
+        results["peer_ratios"] = peer_ratios(results)
     return results
 
 
@@ -468,7 +529,8 @@ def render_markdown(name: str, results: dict) -> str:
     s5, s6 = results["scenario_5_memory"], results["scenario_6_cold_start"]
     lines = [
         f"## Benchmark `{name}`: {results['plan']['preset']} dev model, {results['dtype']}, "
-        f"{results['machine']['physical_cores']} physical cores, load {results['machine']['load_average_at_start']:.2f} at start",
+        f"{results['machine']['physical_cores']} physical cores ({' '.join(results['machine']['vector_extensions'])}), "
+        f"load {results['machine']['load_average_at_start']:.2f} at start",
         "",
         "| measurement | value | ratio |",
         "|---|---|---|",
@@ -514,13 +576,16 @@ def render_markdown(name: str, results: dict) -> str:
             f"{row['cold_start_seconds']:.1f} s, {row['first_token_p50_seconds']:.3f} s, "
             f"{row['decode_tokens_per_second']:.1f} tok/s, {row['four_streams_aggregate_tokens_per_second']:.1f} tok/s | |"
         )
-    return "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n"
+    return table + "\n" + render_peer_table(results) if "peer" in results else table
 
 
 def parse_args() -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few repetitions: checks that it all runs")
+    parser.add_argument("--peer", action="store_true",
+                        help="also measure llama.cpp's llama-server (q8_0, q4_0) on the same model; builds it once")
     parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
@@ -543,7 +608,7 @@ def main() -> None:
     plan = Plan(model_dir=args.model_dir or default_dir, **sizes)
     settings = dict(item.split("=", 1) for item in args.set)
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.dtype}"
-    results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()})
+    results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()}, peer=args.peer)
     save_results(name, results, render_markdown(name, results), args.results_dir)
     progress(f"wrote {args.results_dir / name}.json and .md")
 

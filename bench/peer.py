@@ -1,0 +1,261 @@
+"""llama.cpp's llama-server as the benchmark's peer: built from source, fed the same model folder.
+
+    python -m bench.peer build                  # build llama-server and llama-quantize (~10 min, cached)
+    python -m bench.peer convert MODEL_DIR      # MODEL_DIR as f16, q8_0 and q4_0 GGUF files (cached)
+
+`bench/run.py --peer` calls both, then starts llama-server beside corechat. Nothing of llama.cpp is
+part of the repository: the sources come from the llama-cpp-python sdist on PyPI (which vendors
+llama.cpp), and the binaries and GGUF files live under ~/.cache/corechat/peer/.
+"""
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# The sdist whose vendored llama.cpp is the peer; bump it to compare with a newer llama.cpp.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+PEER_DIR = Path.home() / ".cache" / "corechat" / "peer"
+BUILD_TARGETS = ("llama-server", "llama-quantize")
+# What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight.
+QUANTIZATIONS = ("q8_0", "q4_0")
+# Only what the two targets need: no tests, examples, web UI download, HTTPS or shared libraries.
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
+
+
+def progress(message: str) -> None:
+    """Tell the person waiting what the peer's preparation is doing now."""
+    print(f"[peer {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_flags_key(cpuinfo: str) -> str:
+    """Return a short key for the CPU's instruction-set flags, which a native build depends on."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:12]
+    return "unknown"
+
+
+@contextmanager
+def exclusive(lock_path: Path):
+    """Hold a file lock, so two benchmarks started together build or convert once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """A built llama.cpp: its source tree (for the converter) and the two binaries."""
+
+    source: Path
+    build: Path
+
+    @property
+    def server(self) -> Path:
+        """Return the llama-server binary."""
+        return self.build / "bin" / "llama-server"
+
+    @property
+    def quantize(self) -> Path:
+        """Return the llama-quantize binary."""
+        return self.build / "bin" / "llama-quantize"
+
+    @property
+    def built(self) -> bool:
+        """Tell whether both binaries exist."""
+        return self.server.is_file() and self.quantize.is_file()
+
+
+def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Toolchain:
+    """Return where the given sdist's llama.cpp is (or will be) unpacked and built on this CPU."""
+    key = cpu_flags_key(Path("/proc/cpuinfo").read_text())
+    return Toolchain(source=root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp",
+                     build=root / f"build-{version}-{key}")
+
+
+def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Toolchain:
+    """Download the sdist, unpack it and build llama-server and llama-quantize, once per version and CPU."""
+    toolchain = toolchain_for(version, root)
+    with exclusive(root / "build.lock"):
+        if toolchain.built:
+            return toolchain
+        missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"building llama.cpp needs {' and '.join(missing)}: apt-get install cmake g++")
+        if not toolchain.source.is_dir():
+            progress(f"downloading the llama-cpp-python {version} sdist from PyPI")
+            downloads = root / "downloads"
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
+                            "--dest", str(downloads), f"llama-cpp-python=={version}"], check=True)
+            with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
+                sdist.extractall(root, filter="data")
+        progress(f"building {', '.join(BUILD_TARGETS)} in {toolchain.build} (about 10 minutes on two cores)")
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *CMAKE_OPTIONS],
+                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
+                        "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
+    return toolchain
+
+
+def model_key(model_dir: Path) -> str:
+    """Return a short key for a model folder's files, so a rebuilt model is converted again."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
+        path = model_dir / name
+        stat = path.stat()
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest.update((model_dir / "config.json").read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def converter_site(version: str, root: Path) -> Path:
+    """Install what the converter imports and the bench's interpreter lacks into a folder of the peer's own.
+
+    convert_hf_to_gguf.py imports sentencepiece before it looks for a sentencepiece vocabulary; it
+    goes here rather than into corechat's requirements, as nothing of corechat needs it.
+    """
+    site = root / f"converter-site-{version}"
+    if not (site / "sentencepiece").is_dir():
+        progress("installing sentencepiece for llama.cpp's converter into " + str(site))
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                        "sentencepiece==0.2.3"], check=True)
+    return site
+
+
+def convert(toolchain: Toolchain, model_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION,
+            root: Path = PEER_DIR) -> dict[str, Path]:
+    """Convert a Hugging Face model folder with llama.cpp's own tools: bf16 GGUF, then each quantization."""
+    out_dir = root / "gguf" / f"{model_dir.name}-{model_key(model_dir)}-{version}"
+    files = {name: out_dir / f"model-{name}.gguf" for name in ("bf16", *QUANTIZATIONS)}
+    with exclusive(root / "convert.lock"):
+        if not files["bf16"].is_file():
+            progress(f"converting {model_dir} to GGUF with llama.cpp's convert_hf_to_gguf.py")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            # The gguf package of the same vendored tree, so converter and format always agree.
+            path = os.pathsep.join([str(toolchain.source / "gguf-py"), str(converter_site(version, root))])
+            partial = files["bf16"].with_suffix(".partial")
+            subprocess.run([sys.executable, str(toolchain.source / "convert_hf_to_gguf.py"), str(model_dir),
+                            "--outtype", "bf16", "--outfile", str(partial)],
+                           check=True, env={**os.environ, "PYTHONPATH": path}, capture_output=True)
+            partial.rename(files["bf16"])
+        for name in QUANTIZATIONS:
+            if not files[name].is_file():
+                progress(f"quantizing to {name} with llama-quantize")
+                partial = files[name].with_suffix(".partial")
+                subprocess.run([str(toolchain.quantize), str(files["bf16"]), str(partial), name.upper()],
+                               check=True, capture_output=True)
+                partial.rename(files[name])
+    return files
+
+
+def server_command(server: Path, model: Path, *, port: int, threads: int, slots: int, context_per_slot: int) -> list[str]:
+    """Return llama-server's command line: corechat's threads and parallel sequences, each with corechat's context."""
+    return [
+        str(server), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--threads", str(threads), "--threads-batch", str(threads),
+        "--parallel", str(slots), "--ctx-size", str(slots * context_per_slot),
+        "--no-webui",
+    ]
+
+
+def shown_command(command: list[str]) -> str:
+    """Return a command line for the results: files by name, not by this machine's paths."""
+    return " ".join(Path(arg).name if arg.startswith("/") else arg for arg in command)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    """Block until llama-server answers /health with 200 (it answers 503 while it loads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"llama-server not healthy after {timeout} s")
+
+
+class LlamaServer:
+    """llama-server on a free loopback port, serving one GGUF file."""
+
+    def __init__(self, toolchain: Toolchain, model: Path, log_dir: Path, *, port: int, threads: int, slots: int,
+                 context_per_slot: int):
+        self.command = server_command(toolchain.server, model, port=port, threads=threads, slots=slots,
+                                      context_per_slot=context_per_slot)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"llama-server-{port}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300) -> "LlamaServer":
+        """Start llama-server and wait until it serves."""
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url, self.process, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}; its log:\n{self.log_path.read_text(errors='replace')[-4000:]}") from None
+        return self
+
+    def pids(self) -> list[int]:
+        """Return the server's process (it runs in one)."""
+        return [self.process.pid]
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the server."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def main() -> None:
+    """Build llama.cpp's tools, or convert a model folder with them."""
+    parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
+    converting = commands.add_parser("convert", help="convert a model folder to GGUF (cached)")
+    converting.add_argument("model_dir", type=Path)
+    args = parser.parse_args()
+    toolchain = build()
+    if args.command == "build":
+        print(json.dumps({"server": str(toolchain.server), "quantize": str(toolchain.quantize)}))
+    else:
+        print(json.dumps({name: str(path) for name, path in convert(toolchain, args.model_dir).items()}))
+
+
+if __name__ == "__main__":
+    main()
