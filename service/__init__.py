@@ -1,8 +1,8 @@
 """corechat: an OpenAI-compatible chat server for CPUs, on Flask and Gunicorn.
 
 Only the standard library and the settings are imported at the top: gunicorn.conf.py imports
-service.settings in the master, which runs this file, and the master must never load torch. The
-factory imports the app's modules, as the workers call it after fork.
+service.settings in the master, which runs this file, and with PRELOAD_LIBRARIES=false the master
+never loads torch. The factory imports the app's modules, as the workers call it after fork.
 """
 
 import logging

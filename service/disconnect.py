@@ -44,7 +44,7 @@ class WatchedSource:
 
     def events(self):
         """Yield every event up to the last, cancelling the source once the client is gone."""
-        from .engine import Failed, Finished  # here, not at the top: Gunicorn's master must not load torch
+        from .engine import Failed, Finished  # here, not at the top: the master loads torch only when preloading
 
         cancelled = False
         while True:

@@ -5,7 +5,8 @@ prometheus_client, so every worker writes its values to files in that folder and
 `/metrics` merges all of them. Without it (the Flask test client, `flask run`) the values live in
 this process and `/metrics` serves them directly.
 
-This module never imports torch: Gunicorn's master imports the `service` package.
+This module never imports torch: Gunicorn's master imports it for its hooks, with or without
+PRELOAD_LIBRARIES.
 """
 
 import logging
@@ -126,7 +127,7 @@ def count_singleflight_follower() -> None:
 
 def observe(source):
     """Wrap a generation (or any event source) so its events feed the request metrics."""
-    # Imported here: the engine's event types import torch, which Gunicorn's master must not load.
+    # Imported here: the engine's event types import torch, which the master loads only when preloading.
     from .observed import ObservedGeneration
 
     g.corechat_observed = True
