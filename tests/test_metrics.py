@@ -308,3 +308,20 @@ def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled(engi
     observed.cancel()  # the serving class cancels in `finally`, after a client already went away
     assert local_value("corechat_requests_running") == 0
     assert local_value("corechat_requests_total", outcome="cancelled") == cancelled + 1
+
+
+def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, caplog):
+    """The `first token timings` line of a real streamed request: its parts, none negative, add up."""
+    from bench.first_token import parse_timings
+
+    with caplog.at_level("DEBUG", logger="service.observed"):
+        response = client.post("/v1/chat/completions", json={"messages": COUNTING, "max_tokens": 3, "stream": True},
+                               headers={"Cache-Control": "no-cache"})
+        assert response.status_code == 200
+        assert response.get_data(as_text=True).endswith("data: [DONE]\n\n")
+    (timings,) = parse_timings(caplog.text)
+    parts = ("before_queue", "queue", "prompt_pass", "after_prompt_pass")
+    assert all(timings[part] >= 0 for part in (*parts, "first_write")), timings
+    assert sum(timings[part] for part in parts) == pytest.approx(timings["first_token"], abs=0.5)
+    assert timings["prompt_pass"] > 0
+    assert timings["prompt_tokens"] == len(engine.encode(engine.render_prompt(COUNTING)))
