@@ -123,6 +123,14 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Too
     return toolchain
 
 
+def run_tool(command: list[str], **options) -> None:
+    """Run one of llama.cpp's tools, raising with the end of its output when it fails."""
+    finished = subprocess.run(command, capture_output=True, text=True, **options)
+    if finished.returncode != 0:
+        raise RuntimeError(f"{shown_command(command)} exited with {finished.returncode}:\n"
+                           f"{(finished.stdout + finished.stderr)[-4000:]}")
+
+
 def model_key(model_dir: Path) -> str:
     """Return a short key for a model folder's files, so a rebuilt model is converted again."""
     digest = hashlib.sha256()
@@ -160,16 +168,14 @@ def convert(toolchain: Toolchain, model_dir: Path, version: str = LLAMA_CPP_PYTH
             # The gguf package of the same vendored tree, so converter and format always agree.
             path = os.pathsep.join([str(toolchain.source / "gguf-py"), str(converter_site(version, root))])
             partial = files["bf16"].with_suffix(".partial")
-            subprocess.run([sys.executable, str(toolchain.source / "convert_hf_to_gguf.py"), str(model_dir),
-                            "--outtype", "bf16", "--outfile", str(partial)],
-                           check=True, env={**os.environ, "PYTHONPATH": path}, capture_output=True)
+            run_tool([sys.executable, str(toolchain.source / "convert_hf_to_gguf.py"), str(model_dir),
+                      "--outtype", "bf16", "--outfile", str(partial)], env={**os.environ, "PYTHONPATH": path})
             partial.rename(files["bf16"])
         for name in QUANTIZATIONS:
             if not files[name].is_file():
                 progress(f"quantizing to {name} with llama-quantize")
                 partial = files[name].with_suffix(".partial")
-                subprocess.run([str(toolchain.quantize), str(files["bf16"]), str(partial), name.upper()],
-                               check=True, capture_output=True)
+                run_tool([str(toolchain.quantize), str(files["bf16"]), str(partial), name.upper()])
                 partial.rename(files[name])
     return files
 
