@@ -53,11 +53,12 @@ def finished_by_worker(server) -> dict[int, int]:
 
 def send_until_every_worker_served(server, send_round, most_rounds: int) -> dict[int, int]:
     """Call send_round until every worker has finished a generation since (or most_rounds calls);
-    return how many each finished. The kernel may hand many connections in a row to one worker."""
+    return how many each finished. The kernel may hand many connections in a row to one worker, and a
+    worker forked meanwhile starts from zero."""
     before = finished_by_worker(server)
     for _ in range(most_rounds):
         send_round()
-        served = {pid: count - before[pid] for pid, count in finished_by_worker(server).items()}
+        served = {pid: count - before.get(pid, 0) for pid, count in finished_by_worker(server).items()}
         if all(served.values()):
             break
     return served
