@@ -34,9 +34,12 @@ bind = settings.bind
 # One worker per physical core: decoding is bound by memory bandwidth, and a worker per SMT
 # sibling would only split the same bandwidth and caches.
 workers = settings.worker_count
-# Threads let /healthz, /readyz and /metrics answer while the engine thread generates, and let one
-# worker hold many open streams; generation itself is serialised in the engine thread.
-worker_class = "gthread"
+# gthread, except that each request is read whole in the worker's event loop before a thread takes
+# it, and a worker accepts connections only once its model is ready (service/worker.py).
+worker_class = "service.worker.CorechatWorker"
+# A thread per chat request a worker admits (MAX_RUNNING running + MAX_QUEUE queued; its event loop
+# refuses the next with a 503 at once), plus SPARE_HTTP_THREADS that stay free for probes, scrapes
+# and other quick requests: no request waits for a thread behind generations.
 threads = settings.http_threads
 # The app (and torch) load in each worker, never in the master.
 preload_app = False
@@ -79,9 +82,8 @@ def pre_fork(server, worker):
 
 def post_worker_init(worker):
     """Set threads, pin, load and warm the model of this worker (after fork, in the worker)."""
-    from service.lifecycle import boot_worker, refuse_connections_on_term
+    from service.lifecycle import boot_worker
 
-    refuse_connections_on_term(worker)
     boot_worker(worker)
 
 
