@@ -113,7 +113,12 @@ def handle_unexpected(exc: Exception):
 
 
 def init_app(app) -> None:
-    """Route every error through the OpenAI error shape."""
+    """Route every error through the OpenAI error shape (before any route is registered)."""
+    # Flask would answer OPTIONS on every route with an empty 200 page, and a doubled slash
+    # (/v1//chat/completions) with a 308 HTML redirect: both become 405 and 404 in OpenAI's shape.
+    # CORS preflights are answered before routing (service/auth.py).
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app.url_map.merge_slashes = False
     app.register_error_handler(APIError, error_response)
     app.register_error_handler(HTTPException, handle_http_exception)
     app.register_error_handler(Exception, handle_unexpected)
