@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .metrics import worker_reported_ready
-from .settings import get_settings
+from .settings import get_settings, systemd_notify_socket
 
 log = logging.getLogger("corechat.reload")
 
@@ -91,7 +91,7 @@ def wait_for(probe, deadline: float, watched: int):
 
 def notify_systemd(state: str) -> None:
     """Send a state to systemd's notify socket, and wait until systemd has processed it (a barrier)."""
-    address = os.environ.get("NOTIFY_SOCKET")
+    address = systemd_notify_socket()
     if not address:
         return
     if address.startswith("@"):

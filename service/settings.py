@@ -266,6 +266,14 @@ def _split_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def systemd_notify_socket() -> str:
+    """Return the socket systemd gave this process for its notifications (NOTIFY_SOCKET), or "".
+
+    systemd's protocol, not a setting: systemd sets it for the processes of a Type=notify unit.
+    """
+    return os.environ.get("NOTIFY_SOCKET", "")
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """Read the settings from the environment once per process."""
