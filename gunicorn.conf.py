@@ -12,10 +12,13 @@ import tempfile
 # prometheus_client decides when it is first imported whether metric values live in per-process
 # files in this folder (what lets any worker's /metrics report all of them), so it is set before
 # anything imports the service; workers inherit it through fork. The default is one folder per
-# master, stable across a config reload (SIGHUP), which re-reads this file in the same process.
-# Unset or empty (as the example environment file's commented default reads) both mean the default.
-DEFAULT_METRICS_DIR = os.path.join(tempfile.gettempdir(), f"corechat-metrics-{os.getpid()}")
-os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or DEFAULT_METRICS_DIR
+# master, stable across a config reload (SIGHUP), which re-reads this file in the same process, and
+# handed on to the new master of a reload (USR2, see pre_exec). Unset or empty (as the example
+# environment file's commented default reads) both mean the default.
+DEFAULT_METRICS_DIR_PREFIX = os.path.join(tempfile.gettempdir(), "corechat-metrics-")
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or f"{DEFAULT_METRICS_DIR_PREFIX}{os.getpid()}"
+)
 os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 # torch's oneDNN kernels (bf16 matrix products, int8 prompt products) keep a compiled primitive per
@@ -43,9 +46,12 @@ bind = settings.bind
 # One worker per physical core: decoding is bound by memory bandwidth, and a worker per SMT
 # sibling would only split the same bandwidth and caches.
 workers = settings.worker_count
-# Threads let /healthz, /readyz and /metrics answer while the engine thread generates, and let one
-# worker hold many open streams; generation itself is serialised in the engine thread.
-worker_class = "gthread"
+# gthread, except that each request is read whole in the worker's event loop before a thread takes
+# it, and a worker accepts connections only once its model is ready (service/worker.py).
+worker_class = "service.worker.CorechatWorker"
+# A thread per chat request a worker admits (MAX_RUNNING running + MAX_QUEUE queued; its event loop
+# refuses the next with a 503 at once), plus SPARE_HTTP_THREADS that stay free for probes, scrapes
+# and other quick requests: no request waits for a thread behind generations.
 threads = settings.http_threads
 # The app (and the model) load in each worker, never in the master.
 preload_app = False
@@ -60,16 +66,36 @@ errorlog = "-"
 
 
 def on_starting(server):
-    """Empty the metrics folder of a previous run, before any worker writes to it."""
+    """Empty the metrics folder of a previous run, before any worker writes to it.
+
+    Not in the new master of a reload (USR2; Gunicorn sets master_pid): the old master's workers
+    still serve and write there, and the counters carry on across the reload.
+    """
     from service.metrics import empty_multiproc_dir
 
-    empty_multiproc_dir(settings.prometheus_multiproc_dir)
+    if not server.master_pid:
+        empty_multiproc_dir(settings.prometheus_multiproc_dir)
+
+
+def pre_exec(server):
+    """Prepare the environment of the new master of a reload (USR2), which Gunicorn starts with the
+    environment the old master started with (in the forked process, before exec)."""
+    server.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_multiproc_dir
+    # Started as `python -m gunicorn` (as the unit does), Gunicorn would re-exec the file
+    # .../gunicorn/__main__.py, whose folder then shadows the standard library's `http` package.
+    args = server.START_CTX["args"]
+    if os.path.basename(args[1]) == "__main__.py":
+        args[1:2] = ["-m", "gunicorn"]
+    # systemd ignores (with a warning) a READY=1 from a process that is not yet the unit's main
+    # process; service/reload.py tells it the new main PID once the new workers are ready.
+    server.cfg.env_orig.pop("NOTIFY_SOCKET", None)
 
 
 def on_exit(server):
-    """Remove the metrics folder when it is the default one this master made (not one an operator chose)."""
-    if settings.prometheus_multiproc_dir == DEFAULT_METRICS_DIR:
-        shutil.rmtree(DEFAULT_METRICS_DIR, ignore_errors=True)
+    """Remove the metrics folder when a master made it (an operator did not choose it) and no new
+    master (a reload) took it over."""
+    if settings.prometheus_multiproc_dir.startswith(DEFAULT_METRICS_DIR_PREFIX) and not server.reexec_pid:
+        shutil.rmtree(settings.prometheus_multiproc_dir, ignore_errors=True)
 
 
 def child_exit(server, worker):
@@ -88,9 +114,8 @@ def pre_fork(server, worker):
 
 def post_worker_init(worker):
     """Set threads, pin, load and warm the model of this worker (after fork, in the worker)."""
-    from service.lifecycle import boot_worker, refuse_connections_on_term
+    from service.lifecycle import boot_worker
 
-    refuse_connections_on_term(worker)
     boot_worker(worker)
 
 

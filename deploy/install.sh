@@ -104,6 +104,17 @@ install_config "$SOURCE/deploy/nginx/corechat.conf" /etc/nginx/conf.d/corechat.c
 install -D -m 0644 "$SOURCE/deploy/systemd/corechat.service" "$ROOT/etc/systemd/system/corechat.service"
 install -d -m 0755 "$ROOT/srv/corechat/model"
 
+# Debian's default nginx site also listens on port 80, as its default server: it would answer there
+# instead of corechat (nginx warns of a "conflicting server name"). Disable it; its file stays in
+# sites-available. A site of that name that is not Debian's link is the operator's: kept, and said.
+DEFAULT_SITE=/etc/nginx/sites-enabled/default
+if [ "$(readlink "$ROOT$DEFAULT_SITE" 2>/dev/null)" = /etc/nginx/sites-available/default ]; then
+    rm "$ROOT$DEFAULT_SITE"
+    echo "disabled Debian's default nginx site ($DEFAULT_SITE), which took port 80 from corechat"
+elif [ -e "$ROOT$DEFAULT_SITE" ]; then
+    echo "install.sh: kept $DEFAULT_SITE (not Debian's default link): if it listens on port 80, it answers there, not corechat" >&2
+fi
+
 host systemctl daemon-reload
 host systemctl enable --now redis-server@corechat.service
 host systemctl enable corechat.service

@@ -10,14 +10,21 @@ import uuid
 from dataclasses import dataclass
 
 from .engine import EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
-from .errors import ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
+from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_SECONDS = 1
+
+def interrupted() -> Overloaded:
+    """Build the error for a reply the server stopped before its end (a stopping worker): OpenAI has
+    no `cancelled` finish reason, and a retry gets the whole reply."""
+    return Overloaded(
+        "the reply was interrupted before its end (the worker is stopping); retry it",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,7 @@ class ChatCompletions:
                     yield sse_data(self._chunk(prepared, {"content": event.text}))
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
+                        yield sse_data(interrupted().body())
                         break
                     yield sse_data(self._chunk(prepared, {}, event.finish_reason))
                     if prepared.request.include_usage:
@@ -191,6 +199,8 @@ class ChatCompletions:
                     log.warning("unexpected engine event %r", event)
         finally:
             source.cancel()
+        if finished.finish_reason == "cancelled":
+            raise interrupted()
         return {
             "id": prepared.completion_id,
             "object": "chat.completion",

@@ -1,6 +1,8 @@
 """Typed API errors and the one place that renders them in OpenAI's error shape."""
 
+import json
 import logging
+from http import HTTPStatus
 
 from flask import jsonify
 from werkzeug.exceptions import HTTPException
@@ -52,6 +54,10 @@ class NotFound(APIError):
     code = "not_found"
 
 
+# What a 503 tells clients: capacity frees up within about this many seconds.
+RETRY_AFTER_SECONDS = 1
+
+
 class Overloaded(APIError):
     """The worker cannot take the request now; the client should retry later."""
 
@@ -76,6 +82,21 @@ def error_response(error: APIError):
     return response
 
 
+def raw_error_response(error: APIError) -> bytes:
+    """Render an APIError as a whole HTTP/1.1 response that closes the connection, for the errors
+    the worker answers before (or instead of) the app: a request too slow, too large, malformed, or
+    beyond the worker's capacity."""
+    body = json.dumps(error.body()).encode()
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in error.headers.items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
 def handle_http_exception(exc: HTTPException):
     """Render werkzeug's own errors (404, 405, 413, ...) in OpenAI's shape."""
     error = APIError(exc.description or exc.name)
@@ -92,7 +113,12 @@ def handle_unexpected(exc: Exception):
 
 
 def init_app(app) -> None:
-    """Route every error through the OpenAI error shape."""
+    """Route every error through the OpenAI error shape (before any route is registered)."""
+    # Flask would answer OPTIONS on every route with an empty 200 page, and a doubled slash
+    # (/v1//chat/completions) with a 308 HTML redirect: both become 405 and 404 in OpenAI's shape.
+    # CORS preflights are answered before routing (service/auth.py).
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app.url_map.merge_slashes = False
     app.register_error_handler(APIError, error_response)
     app.register_error_handler(HTTPException, handle_http_exception)
     app.register_error_handler(Exception, handle_unexpected)

@@ -2,9 +2,8 @@
 
 import logging
 import os
-import signal
 
-from .metrics import report_when_ready
+from .metrics import report_ready
 from .settings import physical_core_groups
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,8 @@ def cores_for_slot(slot: int, workers: int) -> list[int]:
 
 
 def boot_worker(worker) -> None:
-    """Pin the worker if asked, set torch's threads, and start its engine (after fork)."""
+    """Pin the worker if asked, set torch's threads, and start its engine; the worker accepts
+    connections once the engine is ready (after fork)."""
     import torch
 
     core = worker.wsgi.extensions["corechat"]
@@ -54,7 +54,18 @@ def boot_worker(worker) -> None:
     torch.set_num_interop_threads(1)
     core.engine.facts.update(slot=slot, workers=settings.worker_count)
     core.engine.start()
-    report_when_ready(core.engine, settings)
+    worker.open_when(lambda: wait_until_settled(core.engine), lambda: report_ready(core.engine, settings))
+
+
+def wait_until_settled(engine) -> bool:
+    """Block until the engine is ready (True) or failed to load (False).
+
+    A worker whose model failed opens anyway and answers 503, so clients and probes see why.
+    """
+    while not engine.wait_ready(timeout=1.0):
+        if engine.failed:
+            return False
+    return True
 
 
 def stop_worker(worker) -> None:
@@ -62,22 +73,3 @@ def stop_worker(worker) -> None:
     core = worker.wsgi.extensions["corechat"] if hasattr(worker, "wsgi") else None
     if core is not None:
         core.engine.stop()
-
-
-def refuse_connections_on_term(worker) -> None:
-    """Make SIGTERM close this worker's listening sockets before it drains (after fork, in the worker).
-
-    On SIGTERM the master closes its listeners, but every worker holds inherited copies, so the
-    kernel kept completing new connections into a backlog that no one would accept: clients hung
-    until the worker exited and then got a reset. Closed here, new connections are refused at once
-    and go to another host, while the streams in flight finish within graceful_timeout.
-    """
-    drain = worker.handle_exit
-
-    def close_listeners_then_drain(signum, frame):
-        """Stop listening, then let Gunicorn's graceful exit run."""
-        for listener in worker.sockets:
-            listener.close()
-        drain(signum, frame)
-
-    signal.signal(signal.SIGTERM, close_listeners_then_drain)

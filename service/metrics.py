@@ -10,7 +10,6 @@ PRELOAD_LIBRARIES.
 """
 
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -134,29 +133,19 @@ def observe(source):
     return ObservedGeneration(source, arrived_at=g.get("corechat_arrived_at", time.monotonic()))
 
 
-def report_when_ready(engine, settings) -> threading.Thread:
-    """Set this worker's readiness and model metrics once its engine is ready (in a thread)."""
-
-    def wait_and_report():
-        """Wait for the engine, then publish what it measured while loading."""
-        while not engine.wait_ready(timeout=1.0):
-            if engine.failed:
-                return
-        facts = engine.facts
-        model_load_seconds.set(facts.get("load_seconds", 0.0))
-        warmup_seconds.set(facts.get("warmup_seconds", 0.0))
-        model_info.labels(
-            model=settings.served_model_name,
-            dtype=str(facts.get("dtype", settings.dtype)),
-            quantization=str(facts.get("quantization", "none")),
-            threads_per_worker=str(facts.get("torch_threads", settings.threads_per_worker)),
-            workers=str(settings.worker_count),
-        ).set(1)
-        workers_ready.set(1)
-
-    thread = threading.Thread(target=wait_and_report, name="corechat-metrics-ready", daemon=True)
-    thread.start()
-    return thread
+def report_ready(engine, settings) -> None:
+    """Publish this worker's readiness and what its engine measured while loading."""
+    facts = engine.facts
+    model_load_seconds.set(facts.get("load_seconds", 0.0))
+    warmup_seconds.set(facts.get("warmup_seconds", 0.0))
+    model_info.labels(
+        model=settings.served_model_name,
+        dtype=str(facts.get("dtype", settings.dtype)),
+        quantization=str(facts.get("quantization", "none")),
+        threads_per_worker=str(facts.get("torch_threads", settings.threads_per_worker)),
+        workers=str(settings.worker_count),
+    ).set(1)
+    workers_ready.set(1)
 
 
 def empty_multiproc_dir(path: str) -> None:
@@ -171,9 +160,27 @@ def forget_worker(pid: int, path: str) -> None:
     mark_process_dead(pid, path)
 
 
+def worker_reported_ready(pid: int, path: str) -> bool:
+    """Tell whether a worker (of any master sharing this metrics folder) reported itself ready."""
+    value_file = Path(path) / f"gauge_livesum_{pid}.db"
+    if not value_file.exists():
+        return False
+    for metric in MultiProcessCollector.merge([str(value_file)]):
+        for sample in metric.samples:
+            if sample.name == "corechat_workers_ready" and sample.value == 1:
+                return True
+    return False
+
+
 def mark_arrival() -> None:
     """Remember when the request arrived, the start of its time to first token."""
     g.corechat_arrived_at = time.monotonic()
+
+
+def count_refused_by_worker(code: str) -> None:
+    """Count a chat request the worker refused before the app saw it (overloaded, too slow, too
+    large or malformed)."""
+    requests_total.labels(code).inc()
 
 
 def count_refused_request(response):

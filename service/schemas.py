@@ -67,9 +67,10 @@ class ChatCompletionRequest(_Strict):
     stop: StopString | list[StopString] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    stream: bool = False
+    # null means the default for both, as OpenAI accepts.
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = Field(1, ge=1, le=1)
 
     @field_validator("stop")
     @classmethod

@@ -5,7 +5,7 @@ it decides whether to import torch at all (PRELOAD_LIBRARIES).
 """
 
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
@@ -102,8 +102,15 @@ class Settings(BaseSettings):
     # Web server (read by gunicorn.conf.py)
     bind: str = Field("127.0.0.1:8000", description="Address Gunicorn listens on.")
     workers: int = Field(0, ge=0, description="Gunicorn workers; 0 means one per physical core.")
-    http_threads: int = Field(
-        16, ge=1, description="Threads per worker for HTTP: streams, health checks and scrapes in parallel."
+    spare_http_threads: int = Field(
+        4, ge=1, description="Request threads per worker beyond one per chat request it admits (MAX_RUNNING + "
+        "MAX_QUEUE), kept free for quick requests: probes, scrapes, model lists. A chat request beyond those "
+        "places gets a 503 from the worker's event loop at once, so no request waits unseen for a thread."
+    )
+    request_arrival_seconds: float = Field(
+        10.0, gt=0, description="Seconds a client may take to send a whole request (headers and body) from "
+        "its first byte; a slower one gets a 408. Requests arrive in the worker's event loop, so a slow "
+        "client holds no request thread meanwhile."
     )
     worker_timeout: int = Field(
         60, ge=1, description="Seconds of silence from a worker's main loop before Gunicorn restarts it; "
@@ -198,15 +205,31 @@ class Settings(BaseSettings):
         """Return the model name clients see."""
         return self.model_name or Path(self.model.rstrip("/")).name or self.model
 
-    @property
+    # Counted once, when the settings are read (in Gunicorn's master): a pinned worker sees only its
+    # own cores afterwards, and would count itself as the only worker.
+    @cached_property
     def worker_count(self) -> int:
         """Return the number of Gunicorn workers."""
         return self.workers or physical_cores()
 
-    @property
+    @cached_property
     def threads_per_worker(self) -> int:
         """Return torch intra-op threads for one worker."""
         return self.torch_threads or max(1, physical_cores() // self.worker_count)
+
+    @property
+    def request_places(self) -> int:
+        """Return how many chat requests one worker serves at once: running, or queued for its engine."""
+        return self.max_running + self.max_queue
+
+    @property
+    def http_threads(self) -> int:
+        """Return the request threads of one worker: one per chat request place, and the spare ones."""
+        return self.request_places + self.spare_http_threads
+
+    def model_post_init(self, _context) -> None:
+        """Count the workers and their threads now, before any worker pins itself to its cores."""
+        _ = self.worker_count, self.threads_per_worker
 
     # Access control
     api_keys: SecretStr = Field(
@@ -246,6 +269,14 @@ class Settings(BaseSettings):
 def _split_list(value: str) -> list[str]:
     """Split a comma-separated setting into its non-empty, stripped items."""
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def systemd_notify_socket() -> str:
+    """Return the socket systemd gave this process for its notifications (NOTIFY_SOCKET), or "".
+
+    systemd's protocol, not a setting: systemd sets it for the processes of a Type=notify unit.
+    """
+    return os.environ.get("NOTIFY_SOCKET", "")
 
 
 @lru_cache(maxsize=1)

@@ -69,6 +69,15 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def default_server(tiny_model_dir, tmp_path_factory):
+    """Run Gunicorn as `make serve` does (2 workers, every setting at its default) on the tiny model."""
+    from support import GunicornServer
+
+    with GunicornServer(tmp_path_factory.mktemp("default-gunicorn"), workers=2) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def keyed_server(tiny_model_dir, tmp_path_factory):
     """Run Gunicorn with 1 worker that needs TEST_API_KEY and takes one running and one waiting request.
 

@@ -129,6 +129,12 @@ def test_unknown_fields_are_ignored(client):
     assert chat(client, max_tokens=1, user="abc", logit_bias={}, some_future_field=[1]).status_code == 200
 
 
+def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
+    response = chat(client, max_tokens=1, n=None, stream=None)
+    assert response.status_code == 200, response.get_json()
+    assert response.get_json()["object"] == "chat.completion"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -259,6 +265,15 @@ def test_unknown_route_and_method_use_the_error_shape(client):
     response = client.get("/v1/chat/completions")
     assert response.status_code == 405
     assert response.get_json()["error"]["type"] == "invalid_request_error"
+
+
+def test_doubled_slash_and_options_without_cors_get_json_errors_not_html(client):
+    doubled = client.post("/v1//chat/completions", json={"messages": USER})
+    assert doubled.status_code == 404 and doubled.get_json()["error"]["code"] == "not_found"
+    for path in ("/v1/chat/completions", "/v1/models", "/healthz"):
+        options = client.options(path)
+        assert options.status_code == 405, path
+        assert options.get_json()["error"]["code"] == "method_not_allowed"
 
 
 def test_omitted_sampling_fields_take_the_models_generation_config(app):

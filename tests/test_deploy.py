@@ -148,8 +148,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     for target in Path("/lib/systemd/system").glob("*.target"):
         shutil.copy(target, units)
     (root / "bin").symlink_to("usr/bin")
-    for command in ("/opt/corechat/venv/bin/python", "/usr/bin/kill"):
-        provide_in_root(root, command)
+    provide_in_root(root, "/opt/corechat/venv/bin/python")
     result = subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", "/etc/systemd/system/corechat.service"],
         capture_output=True,
@@ -176,6 +175,32 @@ def test_unit_outwaits_gunicorns_graceful_timeout():
     assert "PROMETHEUS_MULTIPROC_DIR=/run/corechat/metrics" in unit_values("Environment")
     assert unit_values("RuntimeDirectory") == ["corechat corechat/metrics"]
     assert unit_values("CapabilityBoundingSet") == [""]
+
+
+def test_unit_reloads_without_a_gap_through_service_reload():
+    """HUP stopped the old workers before the new ones had loaded; service.reload hands over once they have."""
+    from service.reload import DEFAULT_TIMEOUT_SECONDS
+
+    assert unit_values("ExecReload") == ["/opt/corechat/venv/bin/python -m service.reload $MAINPID"]
+    # The reload runs as a control process and tells systemd the new main PID.
+    assert unit_values("NotifyAccess") == ["exec"]
+    # systemd bounds a reload by TimeoutStartSec: the reload must give up (and keep the old master) first.
+    assert int(unit_values("TimeoutStartSec")[0]) > DEFAULT_TIMEOUT_SECONDS
+
+
+def test_install_disables_debians_default_nginx_site_and_says_so(tmp_path):
+    root = tmp_path / "root"
+    enabled = root / "etc/nginx/sites-enabled"
+    enabled.mkdir(parents=True)
+    (enabled / "default").symlink_to("/etc/nginx/sites-available/default")
+    result = install_into(root)
+    assert not (enabled / "default").is_symlink()
+    assert "disabled Debian's default nginx site" in result.stdout
+    assert "disabled" not in install_into(root).stdout  # done once
+    (enabled / "default").write_text("server { listen 80; }\n")  # an operator's own site of that name
+    result = install_into(root)
+    assert (enabled / "default").read_text() == "server { listen 80; }\n"
+    assert "kept /etc/nginx/sites-enabled/default" in result.stderr
 
 
 def test_nginx_accepts_the_shipped_config(tmp_path):

@@ -115,6 +115,19 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
         assert body["warmup_seconds"] > 0
 
 
+def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
+    """Pinned to its own cores, a worker counted the cores it could still see: `workers: 1` while two ran."""
+    from service.settings import physical_cores
+    from support import GunicornServer, scrape
+
+    server = GunicornServer(tmp_path, workers=physical_cores(), pin_workers=True)
+    server.env["WORKERS"] = "0"  # the default, one worker per physical core
+    with server:
+        assert {facts["workers"] for facts in ready_facts(server).values()} == {server.workers}
+        info = [dict(labels) for (name, labels) in scrape(server) if name == "corechat_model_info"]
+        assert info and {labels["workers"] for labels in info} == {str(server.workers)}
+
+
 @pytest.mark.parametrize("unset", [True, False], ids=["unset", "empty"])
 def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path, monkeypatch, unset):
     """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it; a chosen folder stays.

@@ -122,4 +122,4 @@ def test_full_server_raises_503_with_retry_after(client):
     assert error.status_code == 503
     assert error.code == "overloaded"
     assert error.response.headers["Retry-After"] == "1"
-    assert "queue places of this worker are taken" in error.message
+    assert "places of this worker are taken" in error.message

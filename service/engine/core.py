@@ -156,7 +156,9 @@ class Engine:
         self.context_length = 0
         self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
-        self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.max_queue)
+        # Bounded by submit(): running plus queued stay within MAX_RUNNING + MAX_QUEUE, so a burst
+        # submitted before this thread takes any is not refused while running places are free.
+        self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.request_places)
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -298,11 +300,14 @@ class Engine:
         """Queue a generation; raise EngineOverloaded when the queue is full."""
         if self.failed or self._stopping.is_set():
             raise EngineUnavailable(self.facts.get("error", "the engine is shutting down"))
+        full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
+        if self._running + self._pending.qsize() >= self.settings.request_places:
+            raise full
         generation = Generation(prompt_ids, params)
         try:
             self._pending.put_nowait(generation)
-        except queue.Full:
-            raise EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken") from None
+        except queue.Full:  # another request took the last place since the check
+            raise full from None
         return generation
 
     def _serve(self) -> None:
