@@ -9,7 +9,16 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from .engine import (
+    EngineOverloaded,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    SamplingParams,
+    Started,
+    TemplateRefused,
+    TextDelta,
+)
 from .errors import ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
@@ -53,7 +62,10 @@ class ChatCompletions:
                 code="model_not_found",
             )
         check_message_count(len(request.messages), self.settings)
-        prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        try:
+            prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        except TemplateRefused as exc:
+            raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_text(prompt)
         prompt_ids = self.engine.encode(prompt)
         check_prompt_tokens(len(prompt_ids), self.settings)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import DynamicCache
 
 from .loading import (
@@ -40,6 +41,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine failed to load or is shutting down."""
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template refused a conversation (a role order it does not support, say)."""
 
 
 @dataclass(frozen=True)
@@ -277,8 +282,19 @@ class Engine:
     # Text ----------------------------------------------------------------------------------
 
     def render_prompt(self, messages: list[dict]) -> str:
-        """Render a conversation through the model's chat template, ready for the reply."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """Render a conversation through the model's chat template, ready for the reply.
+
+        Raise TemplateRefused when the template rejects the conversation: many templates call
+        raise_exception() on a role order they do not support (two system messages, a conversation
+        starting with the assistant). A template that does not compile is the model's fault, not
+        the request's, and raises as it is.
+        """
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc)) from None
 
     def encode(self, prompt: str) -> list[int]:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
