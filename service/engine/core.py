@@ -164,6 +164,12 @@ class Engine:
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.max_queue)
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        # Held while a request is queued and while the engine stops taking requests, so no request
+        # lands in the queue after the engine gave the queued ones their last event.
+        self._admission = threading.Lock()
+        self._closed_reason: str | None = None
+        self._on_ready = None
+        self._on_failure = None
         self._thread: threading.Thread | None = None
         self._running = 0
         self._prefixes: PrefixStore | None = None
@@ -172,8 +178,14 @@ class Engine:
 
     # Lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread."""
+    def start(self, on_ready=None, on_failure=None) -> None:
+        """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread.
+
+        The engine thread calls on_ready() once it serves, and on_failure(reason, while_loading)
+        when the model fails to load or the engine loop fails, after every request got its last
+        event (a worker exits there).
+        """
+        self._on_ready, self._on_failure = on_ready, on_failure
         self.model_dir = resolve_model_dir(self.settings.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
@@ -187,6 +199,10 @@ class Engine:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # No engine thread will drain the queue: requests queued before it started or after it
+            # ended still get their last event here.
+            self._close("the server is shutting down")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded and warmed up; return whether it is."""
@@ -220,12 +236,13 @@ class Engine:
                 self._warm_up()
         except Exception as exc:  # a bad model must not take the worker down silently
             log.exception("model failed to load")
-            self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
-            self._fail_pending("the model failed to load")
+            self._fail(f"the model failed to load: {type(exc).__name__}: {exc}", while_loading=True)
             return
         return_freed_memory()
         self.facts.update(state="ready", requests_finished=0)
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
         self._serve()
 
     def _load_weights(self) -> None:
@@ -271,13 +288,28 @@ class Engine:
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
         log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
 
-    def _fail_pending(self, reason: str) -> None:
-        """Tell every queued request that the engine cannot serve it."""
+    def _close(self, reason: str) -> None:
+        """Refuse requests from now on, then tell every queued one that the engine cannot serve it."""
+        with self._admission:
+            self._closed_reason = self._closed_reason or reason
         while True:
             try:
                 self._pending.get_nowait().send(Failed(reason))
             except queue.Empty:
                 return
+
+    def _fail(self, reason: str, *, while_loading: bool) -> None:
+        """Stop serving for good: not ready, every queued request failed, the worker told."""
+        self._ready.clear()
+        self.facts.update(state="failed", error=reason)
+        self._close(reason)
+        if self._on_failure is not None:
+            self._on_failure(reason, while_loading)
+
+    def snapshot_facts(self) -> dict[str, object]:
+        """Return a copy of the facts, safe to iterate while the engine thread adds to them."""
+        # dict.copy runs in C under the GIL, so no key is added halfway through it.
+        return self.facts.copy()
 
     # Text ----------------------------------------------------------------------------------
 
@@ -311,14 +343,15 @@ class Engine:
     # Requests ------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation; raise EngineOverloaded when the queue is full."""
-        if self.failed or self._stopping.is_set():
-            raise EngineUnavailable(self.facts.get("error", "the engine is shutting down"))
+        """Queue a generation; raise EngineOverloaded when the queue is full, EngineUnavailable when closed."""
         generation = Generation(prompt_ids, params)
-        try:
-            self._pending.put_nowait(generation)
-        except queue.Full:
-            raise EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken") from None
+        with self._admission:
+            if self._closed_reason is not None or self._stopping.is_set():
+                raise EngineUnavailable(self._closed_reason or "the engine is shutting down")
+            try:
+                self._pending.put_nowait(generation)
+            except queue.Full:
+                raise EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken") from None
         return generation
 
     def _serve(self) -> None:
@@ -326,16 +359,24 @@ class Engine:
         active: list[_Sequence] = []
         prefilling: list[_Sequence] = []
         batch = DecodeBatch(self.model.config)
-        while not self._stopping.is_set():
-            self._drop_cancelled_waiting()
-            self._admit(active, prefilling)
-            self._prefill_some(active, prefilling, batch)
-            self._decode_step(active, batch)
-            self._running = len(active) + len(prefilling)
+        try:
+            while not self._stopping.is_set():
+                self._drop_cancelled_waiting()
+                self._admit(active, prefilling)
+                self._prefill_some(active, prefilling, batch)
+                self._decode_step(active, batch)
+                self._running = len(active) + len(prefilling)
+        except Exception as exc:  # the loop's state is unknown now: end every request, then the worker
+            log.exception("the engine loop failed; failing every request of this worker")
+            for sequence in active + prefilling:
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            self._running = 0
+            self._fail(f"the engine loop failed: {type(exc).__name__}: {exc}", while_loading=False)
+            return
         for sequence in active + prefilling:
             self._finish(sequence, "cancelled")
         # Every request must get a last event, or its thread waits forever and the worker cannot exit.
-        self._fail_pending("the server is shutting down")
+        self._close("the server is shutting down")
 
     def _drop_cancelled_waiting(self) -> None:
         """Take generations whose client left out of the queue at once, so their places free up."""
@@ -369,7 +410,11 @@ class Engine:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             generation.send(Started(time.monotonic() - generation.submitted_at))
-            prefilling.append(self._begin(generation))
+            try:
+                prefilling.append(self._begin(generation))
+            except Exception as exc:  # one request's bad parameters must not stop the others
+                log.exception("a generation failed to start")
+                generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             # Counted before its first token goes out, so a client that saw a token sees it running.
             self._running = len(active) + len(prefilling)
 
@@ -466,7 +511,7 @@ class Engine:
             self._leave(active, batch, list(range(len(active))))
             return
         forward_done = time.perf_counter()
-        ended = [row for row, sequence in enumerate(active) if not self._advance(sequence, logits[row])]
+        ended = [row for row, sequence in enumerate(active) if not self._advance_or_fail(sequence, logits[row])]
         self._leave(active, batch, ended)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
 
@@ -482,6 +527,15 @@ class Engine:
         if rows:
             batch.leave(rows)
             active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+
+    def _advance_or_fail(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
+        """Advance a sequence; a fault in its sampling or text fails that sequence alone."""
+        try:
+            return self._advance(sequence, logits)
+        except Exception as exc:
+            log.exception("a sequence failed while taking its next token")
+            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return False
 
     def _advance(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
         """Take a sequence's next token from its logits and deliver its text; return whether it goes on."""
