@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from jinja2 import TemplateError, TemplateSyntaxError
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 from .loading import (
     load_generation_defaults,
@@ -22,6 +22,7 @@ from .loading import (
 )
 from .batching import DecodeBatch
 from .int8 import apply_int8, prompt_pass
+from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
@@ -159,6 +160,8 @@ class Engine:
         self.fingerprint = ""
         self.generation_defaults = None
         self.context_length = 0
+        # Cache tokens (padding included) this worker's running sequences may reach together.
+        self.kv_token_budget = 0
         self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.max_queue)
@@ -190,6 +193,9 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
+        bytes_per_token = kv_bytes_per_token(AutoConfig.from_pretrained(self.model_dir), DTYPES[self.settings.dtype])
+        self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
+        self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
         self.facts["state"] = "loading"
         self._thread = threading.Thread(target=self._run, name="corechat-engine", daemon=True)
         self._thread.start()
@@ -343,8 +349,13 @@ class Engine:
     # Requests ------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation; raise EngineOverloaded when the queue is full, EngineUnavailable when closed."""
+        """Queue a generation; raise EngineOverloaded when the queue is full, EngineUnavailable when closed.
+
+        A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
+        """
         generation = Generation(prompt_ids, params)
+        if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
+            raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
         with self._admission:
             if self._closed_reason is not None or self._stopping.is_set():
                 raise EngineUnavailable(self._closed_reason or "the engine is shutting down")
@@ -399,9 +410,13 @@ class Engine:
             self._decode_step(active, batch)
 
     def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
-        """Take queued requests while places are free (blocking briefly when idle) to process their prompts."""
+        """Take queued requests while places and KV memory are free (blocking briefly when idle)."""
         while len(active) + len(prefilling) < self.settings.max_running:
             idle = not active and not prefilling
+            if not idle and not self._next_fits(active + prefilling):
+                # It waits, counted and pinged, and so does everything behind it: a long prompt
+                # is not overtaken by short ones for ever.
+                break
             try:
                 generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if idle else self._pending.get_nowait()
             except queue.Empty:
@@ -417,6 +432,16 @@ class Engine:
                 generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             # Counted before its first token goes out, so a client that saw a token sees it running.
             self._running = len(active) + len(prefilling)
+
+    def _next_fits(self, running: list[_Sequence]) -> bool:
+        """Tell whether the oldest queued request fits the KV budget next to the running sequences."""
+        try:
+            # Only this thread takes from the queue, so the head stays the one get() returns.
+            head = self._pending.queue[0]
+        except IndexError:
+            return True
+        generations = [sequence.generation for sequence in running] + [head]
+        return head.cancelled or reserved_kv_tokens(generations) <= self.kv_token_budget
 
     def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
         """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
