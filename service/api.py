@@ -77,11 +77,12 @@ def check_ready():
     """Answer 200 once this worker's model is loaded and warmed up, 503 before (readiness)."""
     core = current_app.extensions["corechat"]
     engine = core.engine
+    facts = engine.snapshot_facts()
     body = {
-        "status": "ready" if engine.ready else engine.facts.get("state", "loading"),
+        "status": "ready" if engine.ready else facts.get("state", "loading"),
         "model": core.chat.model_name,
         "worker_pid": os.getpid(),
-        **{key: value for key, value in engine.facts.items() if key != "state"},
+        **{key: value for key, value in facts.items() if key != "state"},
         "running": engine.running,
         "waiting": engine.waiting,
     }

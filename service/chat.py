@@ -9,7 +9,16 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from .engine import (
+    EngineOverloaded,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    SamplingParams,
+    Started,
+    TemplateRefused,
+    TextDelta,
+)
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
@@ -60,7 +69,10 @@ class ChatCompletions:
                 code="model_not_found",
             )
         check_message_count(len(request.messages), self.settings)
-        prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        try:
+            prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+        except TemplateRefused as exc:
+            raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_text(prompt)
         prompt_ids = self.engine.encode(prompt)
         check_prompt_tokens(len(prompt_ids), self.settings)
@@ -75,12 +87,11 @@ class ChatCompletions:
 
     def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
-        context = self.engine.context_length or self.settings.max_model_len or 32768
-        room = context - prompt_tokens
+        limit, limit_name = self._token_limit()
+        room = limit - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
-                f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in the "
-                f"model's context of {context} tokens",
+                f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in {limit_name}",
                 param="messages",
             )
         asked = request.requested_max_tokens
@@ -93,7 +104,7 @@ class ChatCompletions:
         if asked is not None and asked > room:
             raise ContextLengthExceeded(
                 f"the prompt has {prompt_tokens} tokens and {param} is {asked}: {prompt_tokens + asked} "
-                f"tokens do not fit the model's context of {context} tokens",
+                f"tokens do not fit {limit_name}",
                 param=param,
             )
         temperature = self._or_model_default(request.temperature, "temperature", 1.0)
@@ -109,6 +120,18 @@ class ChatCompletions:
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
         )
+
+    def _token_limit(self) -> tuple[int, str]:
+        """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
+
+        The model's context, unless the worker's KV budget (KV_CACHE_MB) is smaller: a request
+        beyond it could never start, so it is refused instead of queued for ever.
+        """
+        context = self.engine.context_length or self.settings.max_model_len or 32768
+        budget = self.engine.kv_token_budget
+        if budget and budget < context:
+            return budget, f"this server's KV cache budget of {budget} tokens per worker (KV_CACHE_MB)"
+        return context, f"the model's context of {context} tokens"
 
     def _or_model_default(self, asked, name: str, openai_default):
         """Return a sampling value the request gave, else the model's generation config's, else OpenAI's."""

@@ -2,11 +2,22 @@
 
 import logging
 import os
+import signal
+import sys
+from functools import partial
+from pathlib import Path
 
-from .metrics import report_ready
+from .metrics import report_not_ready, report_ready
 from .settings import physical_core_groups
 
 log = logging.getLogger(__name__)
+
+# Workers in a row whose model failed to load before the master gives up: a corrupt or truncated
+# model fails every time, while a load cut short by memory pressure deserves another try.
+MODEL_LOAD_ATTEMPTS = 3
+# The exit status on which Gunicorn's master stops instead of starting another worker (its
+# Arbiter.WORKER_BOOT_ERROR), as it does when a worker cannot boot at all (a MODEL that is missing).
+WORKER_BOOT_ERROR = 3
 
 
 def import_worker_libraries() -> None:
@@ -53,14 +64,19 @@ def boot_worker(worker) -> None:
     torch.set_num_threads(settings.threads_per_worker)
     torch.set_num_interop_threads(1)
     core.engine.facts.update(slot=slot, workers=settings.worker_count)
-    core.engine.start()
+    failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
+    core.engine.start(
+        on_ready=partial(failures_file.unlink, missing_ok=True),
+        on_failure=partial(exit_after_engine_failure, worker, failures_file),
+    )
     worker.open_when(lambda: wait_until_settled(core.engine), lambda: report_ready(core.engine, settings))
 
 
 def wait_until_settled(engine) -> bool:
-    """Block until the engine is ready (True) or failed to load (False).
+    """Block until the engine is ready (True) or failed (False).
 
-    A worker whose model failed opens anyway and answers 503, so clients and probes see why.
+    A worker whose model failed opens anyway and answers 503 until it exits, so clients and probes
+    see why.
     """
     while not engine.wait_ready(timeout=1.0):
         if engine.failed:
@@ -68,8 +84,45 @@ def wait_until_settled(engine) -> bool:
     return True
 
 
+def load_failures_file(run_folder: str, master_pid: int) -> Path:
+    """Return the file that counts this master's failed model loads in a row (one line each).
+
+    It lives in the folder the master's workers already share (the metrics folder), named by the
+    master's pid so that a previous run's count never applies.
+    """
+    return Path(run_folder or ".") / f"corechat-model-load-failures-{master_pid}"
+
+
+def exit_after_engine_failure(worker, failures_file: Path, reason: str, while_loading: bool) -> None:
+    """Exit a worker whose engine cannot serve, so Gunicorn starts a fresh one (from the engine thread).
+
+    Every request already got its last event; SIGTERM lets their responses go out. After
+    MODEL_LOAD_ATTEMPTS failed loads in a row the worker exits with WORKER_BOOT_ERROR, which stops
+    the master: a model that never loads must fail the service visibly, not restart forever.
+    """
+    report_not_ready()
+    if while_loading:
+        with failures_file.open("a") as failures:
+            failures.write(f"{os.getpid()}\n")
+        attempts = len(failures_file.read_text().splitlines())
+        if attempts >= MODEL_LOAD_ATTEMPTS:
+            log.critical("the model failed to load in %d workers in a row (last: %s); stopping the server",
+                         attempts, reason)
+            worker.exit_status = WORKER_BOOT_ERROR
+        else:
+            log.error("the model failed to load (%s); worker %d exits so Gunicorn starts another (attempt %d of %d)",
+                      reason, os.getpid(), attempts, MODEL_LOAD_ATTEMPTS)
+    else:
+        log.error("the engine of worker %d failed (%s); it exits so Gunicorn starts a new one", os.getpid(), reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def stop_worker(worker) -> None:
     """Stop the engine thread before the worker exits, so no torch call is cut off mid-flight."""
     core = worker.wsgi.extensions["corechat"] if hasattr(worker, "wsgi") else None
     if core is not None:
         core.engine.stop()
+    status = getattr(worker, "exit_status", 0)
+    if status:
+        # Raised from Gunicorn's worker_exit hook, this replaces the worker's exit status of 0.
+        sys.exit(status)

@@ -148,6 +148,11 @@ def report_ready(engine, settings) -> None:
     workers_ready.set(1)
 
 
+def report_not_ready() -> None:
+    """Take this worker out of the ready count (its engine failed; it is about to exit)."""
+    workers_ready.set(0)
+
+
 def empty_multiproc_dir(path: str) -> None:
     """Delete the value files of a previous run (in the master, before any worker starts)."""
     for value_file in Path(path).glob("*.db"):

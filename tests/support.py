@@ -76,16 +76,18 @@ class GunicornServer:
     """corechat under real Gunicorn, configured through the environment as operators do.
 
     Settings are keyword arguments (they become environment variables); the model defaults to the
-    tiny test model, served as "tiny". As a context manager it starts on entry and stops on exit.
+    tiny test model, served as "tiny". `app` replaces wsgi.py's app with a module of tests/ (as
+    `module:app`). As a context manager it starts on entry and stops on exit.
     """
 
-    def __init__(self, log_dir: Path, *, workers: int = 2, **settings):
+    def __init__(self, log_dir: Path, *, workers: int = 2, app: str | None = None, **settings):
         if "model" not in settings:
             from service.devmodel import build_dev_model
 
             settings = {"model": build_dev_model(TINY_MODEL_DIR, preset="tiny"), "model_name": "tiny", **settings}
         self.port = free_port()
         self.workers = workers
+        self.app_args = ["--pythonpath", str(REPO / "tests"), app] if app else []
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
         self.env = {
             **os.environ,
@@ -106,7 +108,7 @@ class GunicornServer:
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             # No control socket: every test master would otherwise share ~/.gunicorn/gunicorn.ctl.
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--no-control-socket"],
+            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--no-control-socket", *self.app_args],
             cwd=REPO,
             env=self.env,
             stdout=self._log,

@@ -284,3 +284,59 @@ def test_omitted_sampling_fields_take_the_models_generation_config(app):
     assert (omitted.temperature, omitted.top_p, omitted.top_k) == (0.7, 0.8, 20)  # Qwen2.5's generation_config
     given = chat.prepare(parse_chat_request({"messages": USER, "temperature": 0, "top_p": 0.5, "top_k": 3})).params
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.5, 3)
+
+
+# A template in the style of many non-Qwen models: it raises on a role order it does not support.
+STRICT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and not loop.first %}{{ raise_exception('System message must be first') }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and loop.first %}{{ raise_exception('Conversation must start with the user') }}{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
+    """Return a client of the tiny model given a chat template that raises on role orders it refuses."""
+    from service import create_app
+    from service.engine import Engine
+
+    model_dir = tmp_path_factory.mktemp("strict-template")
+    for path in tiny_model_dir.iterdir():
+        if path.name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+            (model_dir / path.name).symlink_to(path)
+    tokenizer_config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": STRICT_TEMPLATE}))
+    (model_dir / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    settings = make_settings(model=str(model_dir), dtype="bfloat16", max_model_len=256)
+    engine = Engine(settings)
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    yield create_app(settings, engine=engine).test_client()
+    engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "messages,reason",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "System message must be first"),
+        ([{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}, {"role": "user", "content": "c"}],
+         "System message must be first"),
+        ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], "Conversation must start with the user"),
+    ],
+)
+def test_a_chat_template_that_refuses_the_messages_gets_400_naming_messages(strict_template_client, messages, reason, stream):
+    response = strict_template_client.post("/v1/chat/completions", json={"messages": messages, "stream": stream})
+    assert response.status_code == 400, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert error["param"] == "messages" and error["type"] == "invalid_request_error"
+    assert reason in error["message"]
+
+
+def test_a_strict_chat_template_serves_the_role_orders_it_accepts(strict_template_client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    response = strict_template_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+    assert response.status_code == 200, response.get_data(as_text=True)

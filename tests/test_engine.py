@@ -1,10 +1,13 @@
 """The engine on the tiny model: determinism, seeds, limits, cancellation and the queue."""
 
+import sys
+import threading
 import time
 
 import pytest
 
-from service.engine import Engine, EngineOverloaded, Failed, Finished, SamplingParams, Started, TextDelta
+from service import create_app
+from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
@@ -184,3 +187,92 @@ def test_stopping_the_engine_ends_queued_and_running_generations(make_settings):
     queued_last = queued.next_event(timeout=5)
     assert isinstance(running_last, Finished) and running_last.finish_reason == "cancelled"
     assert isinstance(queued_last, Failed) and "shutting down" in queued_last.message
+
+
+def submit_until_refused(engine, ids, accepted: list) -> None:
+    """Submit one-token generations as fast as possible until the engine refuses them."""
+    while True:
+        try:
+            accepted.append(engine.submit(ids, SamplingParams(max_tokens=1, temperature=0.0)))
+        except EngineOverloaded:
+            continue
+        except EngineUnavailable:
+            return
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["engine-thread-running", "never-started"])
+def test_requests_submitted_while_the_engine_stops_all_get_a_last_event(make_settings, started):
+    """Submit from several threads across stop(); every accepted request must still end.
+
+    Each queueing is delayed so that the submitters sit between submit's check and its put when
+    stop() comes, and a put that finds the engine stopping waits for the engine thread to end
+    first (2 s at most): the window of the race, microseconds in production, made certain.
+    """
+    engine = Engine(make_settings())
+    if started:
+        engine.start()
+        assert engine.wait_ready(60)
+    put_now = engine._pending.put_nowait
+
+    def put_late(generation):
+        """Queue after a pause; once stop() came, only after the engine thread ended (or 2 s)."""
+        time.sleep(0.01)
+        if engine._stopping.is_set() and engine._thread is not None:
+            engine._thread.join(2)
+        put_now(generation)
+
+    engine._pending.put_nowait = put_late
+    accepted: list = []
+    submitters = [threading.Thread(target=submit_until_refused, args=(engine, [1, 2, 3], accepted)) for _ in range(6)]
+    for submitter in submitters:
+        submitter.start()
+    time.sleep(0.5)
+    engine.stop()
+    for submitter in submitters:
+        submitter.join(10)
+    assert accepted and not any(submitter.is_alive() for submitter in submitters)
+    deadline = time.monotonic() + 10
+    without_last_event = [generation for generation in accepted if not ends_before(generation, deadline)]
+    assert not without_last_event, f"{len(without_last_event)} of {len(accepted)} requests never ended"
+
+
+def ends_before(generation, deadline: float) -> bool:
+    """Tell whether a generation delivers its last event before a monotonic deadline."""
+    while (event := generation.next_event(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+        if isinstance(event, (Finished, Failed)):
+            return True
+    return False
+
+
+def test_readyz_answers_while_the_engine_thread_adds_facts(make_settings):
+    """/readyz copies the facts the engine thread keeps adding to; iterating them live raised a 500.
+
+    A thread stands in for the engine thread here, adding and removing keys much faster than the
+    engine does (it adds a key the first time it sees something, such as a prefix-cache hit).
+    """
+    engine = Engine(make_settings())
+    client = create_app(make_settings(), engine=engine).test_client()
+    churning = threading.Event()
+
+    def churn_facts():
+        """Add and remove keys until told to stop."""
+        while not churning.is_set():
+            for key in range(200):
+                engine.facts[f"fact_{key}"] = key
+            for key in range(200):
+                engine.facts.pop(f"fact_{key}", None)
+
+    churner = threading.Thread(target=churn_facts)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    churner.start()
+    try:
+        deadline = time.monotonic() + 3
+        statuses = set()
+        while time.monotonic() < deadline:
+            statuses.add(client.get("/readyz").status_code)
+    finally:
+        churning.set()
+        churner.join()
+        sys.setswitchinterval(interval)
+    assert statuses == {503}  # not started: not ready, and never a 500

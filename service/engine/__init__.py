@@ -8,6 +8,7 @@ from .core import (
     Finished,
     Generation,
     Started,
+    TemplateRefused,
     TextDelta,
     events_until_last,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ModelNotFound",
     "SamplingParams",
     "Started",
+    "TemplateRefused",
     "TextDelta",
     "events_until_last",
 ]

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from jinja2 import TemplateError, TemplateSyntaxError
+from transformers import AutoConfig, DynamicCache
 
 from .loading import (
     load_generation_defaults,
@@ -21,6 +22,7 @@ from .loading import (
 )
 from .batching import DecodeBatch
 from .int8 import apply_int8, prompt_pass
+from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
@@ -40,6 +42,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine failed to load or is shutting down."""
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template refused a conversation (a role order it does not support, say)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,8 @@ class Engine:
         self.fingerprint = ""
         self.generation_defaults = None
         self.context_length = 0
+        # Cache tokens (padding included) this worker's running sequences may reach together.
+        self.kv_token_budget = 0
         self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
         # Bounded by submit(): running plus queued stay within MAX_RUNNING + MAX_QUEUE, so a burst
@@ -161,6 +169,12 @@ class Engine:
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.request_places)
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        # Held while a request is queued and while the engine stops taking requests, so no request
+        # lands in the queue after the engine gave the queued ones their last event.
+        self._admission = threading.Lock()
+        self._closed_reason: str | None = None
+        self._on_ready = None
+        self._on_failure = None
         self._thread: threading.Thread | None = None
         self._running = 0
         self._prefixes: PrefixStore | None = None
@@ -169,12 +183,21 @@ class Engine:
 
     # Lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread."""
+    def start(self, on_ready=None, on_failure=None) -> None:
+        """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread.
+
+        The engine thread calls on_ready() once it serves, and on_failure(reason, while_loading)
+        when the model fails to load or the engine loop fails, after every request got its last
+        event (a worker exits there).
+        """
+        self._on_ready, self._on_failure = on_ready, on_failure
         self.model_dir = resolve_model_dir(self.settings.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
+        bytes_per_token = kv_bytes_per_token(AutoConfig.from_pretrained(self.model_dir), DTYPES[self.settings.dtype])
+        self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
+        self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
         self.facts["state"] = "loading"
         self._thread = threading.Thread(target=self._run, name="corechat-engine", daemon=True)
         self._thread.start()
@@ -184,6 +207,10 @@ class Engine:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # No engine thread will drain the queue: requests queued before it started or after it
+            # ended still get their last event here.
+            self._close("the server is shutting down")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded and warmed up; return whether it is."""
@@ -217,12 +244,13 @@ class Engine:
                 self._warm_up()
         except Exception as exc:  # a bad model must not take the worker down silently
             log.exception("model failed to load")
-            self.facts.update(state="failed", error=f"{type(exc).__name__}: {exc}")
-            self._fail_pending("the model failed to load")
+            self._fail(f"the model failed to load: {type(exc).__name__}: {exc}", while_loading=True)
             return
         return_freed_memory()
         self.facts.update(state="ready", requests_finished=0)
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
         self._serve()
 
     def _load_weights(self) -> None:
@@ -268,19 +296,45 @@ class Engine:
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
         log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
 
-    def _fail_pending(self, reason: str) -> None:
-        """Tell every queued request that the engine cannot serve it."""
+    def _close(self, reason: str) -> None:
+        """Refuse requests from now on, then tell every queued one that the engine cannot serve it."""
+        with self._admission:
+            self._closed_reason = self._closed_reason or reason
         while True:
             try:
                 self._pending.get_nowait().send(Failed(reason))
             except queue.Empty:
                 return
 
+    def _fail(self, reason: str, *, while_loading: bool) -> None:
+        """Stop serving for good: not ready, every queued request failed, the worker told."""
+        self._ready.clear()
+        self.facts.update(state="failed", error=reason)
+        self._close(reason)
+        if self._on_failure is not None:
+            self._on_failure(reason, while_loading)
+
+    def snapshot_facts(self) -> dict[str, object]:
+        """Return a copy of the facts, safe to iterate while the engine thread adds to them."""
+        # dict.copy runs in C under the GIL, so no key is added halfway through it.
+        return self.facts.copy()
+
     # Text ----------------------------------------------------------------------------------
 
     def render_prompt(self, messages: list[dict]) -> str:
-        """Render a conversation through the model's chat template, ready for the reply."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """Render a conversation through the model's chat template, ready for the reply.
+
+        Raise TemplateRefused when the template rejects the conversation: many templates call
+        raise_exception() on a role order they do not support (two system messages, a conversation
+        starting with the assistant). A template that does not compile is the model's fault, not
+        the request's, and raises as it is.
+        """
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc)) from None
 
     def encode(self, prompt: str) -> list[int]:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
@@ -297,17 +351,23 @@ class Engine:
     # Requests ------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation; raise EngineOverloaded when the queue is full."""
-        if self.failed or self._stopping.is_set():
-            raise EngineUnavailable(self.facts.get("error", "the engine is shutting down"))
-        full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
-        if self._running + self._pending.qsize() >= self.settings.request_places:
-            raise full
+        """Queue a generation; raise EngineOverloaded when the queue is full, EngineUnavailable when closed.
+
+        A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
+        """
         generation = Generation(prompt_ids, params)
-        try:
-            self._pending.put_nowait(generation)
-        except queue.Full:  # another request took the last place since the check
-            raise full from None
+        if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
+            raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
+        full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
+        with self._admission:
+            if self._closed_reason is not None or self._stopping.is_set():
+                raise EngineUnavailable(self._closed_reason or "the engine is shutting down")
+            if self._running + self._pending.qsize() >= self.settings.request_places:
+                raise full
+            try:
+                self._pending.put_nowait(generation)
+            except queue.Full:
+                raise full from None
         return generation
 
     def _serve(self) -> None:
@@ -315,16 +375,24 @@ class Engine:
         active: list[_Sequence] = []
         prefilling: list[_Sequence] = []
         batch = DecodeBatch(self.model.config)
-        while not self._stopping.is_set():
-            self._drop_cancelled_waiting()
-            self._admit(active, prefilling)
-            self._prefill_some(active, prefilling, batch)
-            self._decode_step(active, batch)
-            self._running = len(active) + len(prefilling)
+        try:
+            while not self._stopping.is_set():
+                self._drop_cancelled_waiting()
+                self._admit(active, prefilling)
+                self._prefill_some(active, prefilling, batch)
+                self._decode_step(active, batch)
+                self._running = len(active) + len(prefilling)
+        except Exception as exc:  # the loop's state is unknown now: end every request, then the worker
+            log.exception("the engine loop failed; failing every request of this worker")
+            for sequence in active + prefilling:
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            self._running = 0
+            self._fail(f"the engine loop failed: {type(exc).__name__}: {exc}", while_loading=False)
+            return
         for sequence in active + prefilling:
             self._finish(sequence, "cancelled")
         # Every request must get a last event, or its thread waits forever and the worker cannot exit.
-        self._fail_pending("the server is shutting down")
+        self._close("the server is shutting down")
 
     def _drop_cancelled_waiting(self) -> None:
         """Take generations whose client left out of the queue at once, so their places free up."""
@@ -347,9 +415,13 @@ class Engine:
             self._decode_step(active, batch)
 
     def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
-        """Take queued requests while places are free (blocking briefly when idle) to process their prompts."""
+        """Take queued requests while places and KV memory are free (blocking briefly when idle)."""
         while len(active) + len(prefilling) < self.settings.max_running:
             idle = not active and not prefilling
+            if not idle and not self._next_fits(active + prefilling):
+                # It waits, counted and pinged, and so does everything behind it: a long prompt
+                # is not overtaken by short ones for ever.
+                break
             try:
                 generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if idle else self._pending.get_nowait()
             except queue.Empty:
@@ -358,9 +430,23 @@ class Engine:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             generation.send(Started(time.monotonic() - generation.submitted_at))
-            prefilling.append(self._begin(generation))
+            try:
+                prefilling.append(self._begin(generation))
+            except Exception as exc:  # one request's bad parameters must not stop the others
+                log.exception("a generation failed to start")
+                generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             # Counted before its first token goes out, so a client that saw a token sees it running.
             self._running = len(active) + len(prefilling)
+
+    def _next_fits(self, running: list[_Sequence]) -> bool:
+        """Tell whether the oldest queued request fits the KV budget next to the running sequences."""
+        try:
+            # Only this thread takes from the queue, so the head stays the one get() returns.
+            head = self._pending.queue[0]
+        except IndexError:
+            return True
+        generations = [sequence.generation for sequence in running] + [head]
+        return head.cancelled or reserved_kv_tokens(generations) <= self.kv_token_budget
 
     def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
         """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
@@ -455,7 +541,7 @@ class Engine:
             self._leave(active, batch, list(range(len(active))))
             return
         forward_done = time.perf_counter()
-        ended = [row for row, sequence in enumerate(active) if not self._advance(sequence, logits[row])]
+        ended = [row for row, sequence in enumerate(active) if not self._advance_or_fail(sequence, logits[row])]
         self._leave(active, batch, ended)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
 
@@ -471,6 +557,15 @@ class Engine:
         if rows:
             batch.leave(rows)
             active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+
+    def _advance_or_fail(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
+        """Advance a sequence; a fault in its sampling or text fails that sequence alone."""
+        try:
+            return self._advance(sequence, logits)
+        except Exception as exc:
+            log.exception("a sequence failed while taking its next token")
+            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return False
 
     def _advance(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
         """Take a sequence's next token from its logits and deliver its text; return whether it goes on."""

@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below float32's smallest normal number a temperature no longer divides float32 logits safely (a
+# subnormal or zero divisor makes inf or NaN), and softmax(logits / T) is already one-hot there for
+# any logits float32 can tell apart: such temperatures are greedy, computed as such.
+GREEDY_BELOW_TEMPERATURE = torch.finfo(torch.float32).smallest_normal
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,7 +28,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Tell whether the request always takes the most likely token."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 @dataclass
@@ -51,7 +56,9 @@ class Sampler:
             logits = logits - self.params.presence_penalty * (counts > 0).float()
         if self.params.greedy:
             return int(torch.argmax(logits))
-        logits = logits / self.params.temperature
+        # Shifted so the largest is 0: a small temperature then sends the others towards -inf
+        # instead of overflowing the largest to inf (inf - inf is NaN inside softmax).
+        logits = (logits - logits.max()) / self.params.temperature
         if self.params.top_k > 0 and self.params.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,6 +67,8 @@ class Sampler:
             cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= self.params.top_p
+            # A top_p below float32's range (1e-300) compares as 0, which would drop every token.
+            drop[0] = False
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
         probabilities = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probabilities, 1, generator=self.generator))

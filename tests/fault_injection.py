@@ -1,0 +1,46 @@
+"""A WSGI entry point for engine fault tests: the real app, in workers whose engine fails on cue.
+
+The engine has no fault hooks of its own (production code carries no test switches), so this
+module, which Gunicorn imports in each worker after fork (`gunicorn ... fault_injection:app`),
+patches two engine methods there to raise where a real bug would: the sampler (what a tokenizer's
+DecodeStream raising in the same step looks like to the engine) and the engine loop itself. The
+cue is a request's seed, a value nothing else sends.
+"""
+
+from service import create_app
+from service.engine.core import Engine
+from service.engine.sampling import Sampler
+
+# A request with this seed fails while taking its third token (in a decode step, not the prompt
+# pass): one sequence fails, the others go on.
+SEQUENCE_FAULT_SEED = 660_001
+FAULTY_TOKEN = 3
+# While a request with this seed is queued, the engine loop raises: the whole worker fails.
+LOOP_FAULT_SEED = 660_002
+
+_next_token = Sampler.next_token
+_drop_cancelled_waiting = Engine._drop_cancelled_waiting
+
+
+def next_token_failing_on_cue(self, logits):
+    """Raise for the cued request, as a fault in one sequence's sampling or text assembly would."""
+    if self.params.seed == SEQUENCE_FAULT_SEED:
+        self.tokens_taken = getattr(self, "tokens_taken", 0) + 1
+        if self.tokens_taken == FAULTY_TOKEN:
+            raise RuntimeError("injected fault in one sequence")
+    return _next_token(self, logits)
+
+
+def loop_failing_on_cue(self):
+    """Raise from the engine loop once the cued request is queued, as a bug in the loop would."""
+    with self._pending.mutex:
+        cued = any(generation.params.seed == LOOP_FAULT_SEED for generation in self._pending.queue)
+    if cued:
+        raise RuntimeError("injected fault in the engine loop")
+    _drop_cancelled_waiting(self)
+
+
+Sampler.next_token = next_token_failing_on_cue
+Engine._drop_cancelled_waiting = loop_failing_on_cue
+
+app = create_app()
