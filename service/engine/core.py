@@ -56,6 +56,8 @@ class TextDelta:
     """A piece of generated text: whole characters, no stop string."""
 
     text: str
+    # The tokens that completed this text since the previous piece: what a continuation is forced with.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,24 @@ def events_until_last(source):
 
 
 class Generation:
-    """A request's handle: the events the engine sends it, and a way to cancel it."""
+    """A request's handle: the events the engine sends it, and a way to cancel it.
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams):
+    `forced_ids` start the reply with tokens generated before (a continuation): they are processed
+    with the prompt, count as completion tokens, and their text is not sent again.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()):
         self.prompt_ids = prompt_ids
         self.params = params
+        self.forced_ids = tuple(forced_ids)
         self.submitted_at = time.monotonic()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cancelled = threading.Event()
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Return the tokens the engine processes before it samples: the prompt, then the forced ones."""
+        return [*self.prompt_ids, *self.forced_ids]
 
     def cancel(self) -> None:
         """Ask the engine to stop this generation at its next token."""
@@ -137,6 +149,8 @@ class _Sequence:
     started_at: float
     next_input: list[int]
     completion_tokens: int = 0
+    # Tokens taken since the last text piece went out, sent along with the next one.
+    unsent_ids: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
@@ -294,11 +308,11 @@ class Engine:
 
     # Requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation; raise EngineOverloaded when the queue is full."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()) -> Generation:
+        """Queue a generation (continuing `forced_ids` if given); raise EngineOverloaded when the queue is full."""
         if self.failed or self._stopping.is_set():
             raise EngineUnavailable(self.facts.get("error", "the engine is shutting down"))
-        generation = Generation(prompt_ids, params)
+        generation = Generation(prompt_ids, params, forced_ids)
         try:
             self._pending.put_nowait(generation)
         except queue.Full:
@@ -386,17 +400,41 @@ class Engine:
         """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
         now = time.monotonic()
         deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
-        cache, cached = self._prefixes.lookup(generation.prompt_ids)
-        return _Sequence(
+        input_ids = generation.input_ids
+        cache, cached = self._prefixes.lookup(input_ids)
+        sequence = _Sequence(
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size),
             text=TextAssembler(self.tokenizer, generation.params.stop),
             cache=cache if cache is not None else DynamicCache(config=self.model.config),
             started_at=now,
-            next_input=generation.prompt_ids[cached:],
+            next_input=input_ids[cached:],
             cached_prompt_tokens=cached,
             deadline=now + deadline_seconds,
         )
+        self._force(sequence, generation.forced_ids)
+        return sequence
+
+    @staticmethod
+    def _force(sequence: _Sequence, forced_ids: tuple[int, ...]) -> None:
+        """Put a continuation's sampler and text where the original generation stood after `forced_ids`.
+
+        Their text was sent before, so it is assembled (for stop strings and split characters) but not sent.
+        """
+        for token_id in forced_ids:
+            sequence.sampler.record(token_id)
+            sequence.text.add(token_id)
+        sequence.completion_tokens = len(forced_ids)
+
+    def _forced_reply_ended(self, sequence: _Sequence) -> bool:
+        """Finish a continuation whose forced tokens already end the reply (max_tokens or a stop string)."""
+        if sequence.text.stopped:
+            self._finish(sequence, "stop")
+            return True
+        if sequence.completion_tokens >= sequence.generation.params.max_tokens:
+            self._finish(sequence, "length")
+            return True
+        return False
 
     def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
         """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
@@ -417,13 +455,15 @@ class Engine:
                     logits_to_keep=1,
                 )
                 if not sequence.next_input:
-                    self._prefixes.store(sequence.generation.prompt_ids, sequence.cache)
+                    self._prefixes.store(sequence.generation.input_ids, sequence.cache)
             sequence.prompt_seconds += time.monotonic() - began
             if sequence.next_input:
                 return None
             self.facts["prefix_cache_bytes"] = self._prefixes.bytes
             if sequence.cached_prompt_tokens:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
+            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
+                return False
             return self._advance(sequence, output.logits[0, -1])
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
@@ -479,9 +519,11 @@ class Engine:
         if token_id in self._eos_ids:
             self._finish(sequence, "stop")
             return False
+        sequence.unsent_ids.append(token_id)
         delta = sequence.text.add(token_id)
         if delta:
-            generation.send(TextDelta(delta))
+            generation.send(TextDelta(delta, tuple(sequence.unsent_ids)))
+            sequence.unsent_ids.clear()
         if sequence.text.stopped:
             self._finish(sequence, "stop")
             return False
@@ -494,7 +536,7 @@ class Engine:
         """Send the held-back text and the final event of a sequence."""
         rest = sequence.text.finish() if finish_reason != "cancelled" else ""
         if rest:
-            sequence.generation.send(TextDelta(rest))
+            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
         self.facts["requests_finished"] += 1
         sequence.generation.send(
