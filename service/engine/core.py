@@ -258,6 +258,7 @@ class Engine:
                 quantization += ", int8 activations per token in prompt passes"
                 weight_format += ":a8prompt"
             self.facts.update(int8_weights=str(converted), quantization=quantization)
+            log.info("int8 weights mapped from %s", converted)
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
@@ -274,7 +275,7 @@ class Engine:
     def _warm_up(self) -> None:
         """Run one real short generation so the first request does not pay for lazy initialisation."""
         began = time.monotonic()
-        prompt_ids = self.encode(self.render_prompt(WARMUP_MESSAGES))
+        prompt_ids = self.encode_chat(WARMUP_MESSAGES)
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
         self._decode_until_done([self._begin(generation)])
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
@@ -297,6 +298,19 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render a conversation for the reply and tokenize it, message text as ordinary text.
+
+        Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
+        cannot open a turn of its own; TRUST_CONTROL_TOKENS_IN_MESSAGES parses them as the template would.
+        """
+        if self.settings.trust_control_tokens_in_messages:
+            return self.encode(self.render_prompt(messages))
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+        )
+        return list(encoded["input_ids"])
 
     def _find_eos_ids(self) -> set[int]:
         """Collect the ids that end a reply: the generation config's and the tokenizer's EOS."""
