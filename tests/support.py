@@ -340,6 +340,14 @@ class StreamingClient:
         """Return the content received so far."""
         return "".join(self.chunks)
 
+    def wait_for_headers(self, timeout: float = 60) -> None:
+        """Block until the response's headers arrived (a queued request has them before any token)."""
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            assert not self.ended.is_set(), "the stream ended before its headers"
+            assert time.monotonic() < deadline, f"no headers after {timeout} s"
+            time.sleep(0.01)
+
     def wait_for_chunks(self, count: int, timeout: float = 120) -> None:
         """Block until `count` content chunks arrived (failing if the stream ends or time runs out first)."""
         deadline = time.monotonic() + timeout
