@@ -8,6 +8,7 @@ import pytest
 import redis
 import requests
 
+from contract import assert_matches_contract
 from service.settings import Settings
 from support import GunicornServer, RedisServer
 
@@ -83,7 +84,9 @@ def test_control_tokens_typed_in_a_message_cannot_forge_a_turn(keyed, trusting):
 
 
 def test_readiness_without_a_key_tells_status_and_counts_only(keyed):
-    anonymous = requests.get(f"{keyed.url}/readyz", timeout=10).json()
+    response = requests.get(f"{keyed.url}/readyz", timeout=10)
+    assert_matches_contract("/readyz", "get", 200, response.headers["Content-Type"], response.content)
+    anonymous = response.json()
     assert set(anonymous) == {"status", "worker_pid", "running", "waiting", "requests_finished"}
     detailed = requests.get(f"{keyed.url}/readyz", headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=10).json()
     assert detailed["model"] == "tiny" and detailed["dtype"] == "int8" and detailed["status"] == "ready"
