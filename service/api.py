@@ -4,7 +4,8 @@ import os
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from .cache import no_cache_requested
+from .auth import caller_key_hash, may_see_details
+from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
 from .limits import read_request_body
@@ -13,6 +14,11 @@ from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
 bp = Blueprint("api", __name__)
+
+# What /readyz tells a caller without a key; and what it never tells anyone (exception text and file
+# paths, which go to the log).
+PUBLIC_READINESS = ("status", "worker_pid", "running", "waiting", "requests_finished")
+PRIVATE_FACTS = ("error", "int8_weights")
 
 
 def read_json_body():
@@ -28,20 +34,26 @@ def read_json_body():
 def create_chat_completion():
     """Generate a chat completion, streamed as SSE or returned whole."""
     chat = current_app.extensions["corechat"].chat
+    cache = current_app.extensions["corechat_cache"]
     chat_request = parse_chat_request(read_json_body())
     prepared = chat.prepare(chat_request)
-    source, cache_status = current_app.extensions["corechat_cache"].open(
+    reply, cache_status = cache.open(
         prepared,
         chat.engine.fingerprint,
-        lambda: chat.start(prepared),
+        lambda forced_ids: chat.start(prepared, forced_ids),
+        scope=cache.scope(caller_key_hash()),
         opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
     )
-    source = observe(source)
+    source = observe(reply)
     if chat_request.stream:
         response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
     else:
-        response = jsonify(chat.complete(prepared, WatchedSource(source, request.environ)))
-    response.headers["X-Cache"] = cache_status
+        try:
+            response = jsonify(chat.complete(prepared, WatchedSource(source, request.environ)))
+        finally:
+            set_status(settled_status(reply, cache_status))
+    # A stream whose client is gone before its first byte never runs its generator's `finally`.
+    response.call_on_close(source.cancel)
     return response
 
 
@@ -74,7 +86,10 @@ def check_health():
 
 @bp.get("/readyz")
 def check_ready():
-    """Answer 200 once this worker's model is loaded and warmed up, 503 before (readiness)."""
+    """Answer 200 once this worker's model is loaded and warmed up, 503 before (readiness).
+
+    Probes carry no key: without one (when keys are on) the body is the status and counts alone.
+    """
     core = current_app.extensions["corechat"]
     engine = core.engine
     facts = engine.snapshot_facts()
@@ -82,10 +97,12 @@ def check_ready():
         "status": "ready" if engine.ready else facts.get("state", "loading"),
         "model": core.chat.model_name,
         "worker_pid": os.getpid(),
-        **{key: value for key, value in facts.items() if key != "state"},
+        **{key: value for key, value in facts.items() if key not in ("state", *PRIVATE_FACTS)},
         "running": engine.running,
         "waiting": engine.waiting,
     }
+    if not may_see_details():
+        body = {key: body[key] for key in PUBLIC_READINESS if key in body}
     return jsonify(body), 200 if engine.ready else 503
 
 

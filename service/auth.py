@@ -6,9 +6,10 @@ on them), and nothing but an exact allowlist; flask-cors answers refused preflig
 200 and brings options (wildcards, regexes, credentials) we would have to turn off one by one.
 """
 
+import hashlib
 import hmac
 
-from flask import current_app, make_response, request
+from flask import current_app, g, make_response, request
 
 from .errors import APIError, Unauthorized
 
@@ -105,6 +106,19 @@ def require_api_key():
     # The key is never echoed back or logged, not even in part.
     if not key_matches(presented.strip(), keys):
         raise Unauthorized("incorrect API key provided", headers=challenge)
+    g.corechat_api_key_hash = hashlib.sha256(presented.strip().encode()).hexdigest()
+
+
+def may_see_details() -> bool:
+    """Tell whether an open route may answer in full: the API needs no key, or the request carries a valid one."""
+    keys = _settings().api_key_list
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    return not keys or (scheme.lower() == "bearer" and key_matches(presented.strip(), keys))
+
+
+def caller_key_hash() -> str | None:
+    """Return a hash of the API key this request was let in with, or None when the API needs no key."""
+    return g.get("corechat_api_key_hash")
 
 
 def init_app(app) -> None:

@@ -38,10 +38,9 @@ def interrupted() -> Overloaded:
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """A request checked against the model: its prompt, its token ids and how to sample."""
+    """A request checked against the model: its prompt's token ids and how to sample."""
 
     request: ChatCompletionRequest
-    prompt: str
     prompt_ids: list[int]
     params: SamplingParams
     completion_id: str
@@ -69,16 +68,15 @@ class ChatCompletions:
                 code="model_not_found",
             )
         check_message_count(len(request.messages), self.settings)
+        messages = [message.for_template() for message in request.messages]
+        check_prompt_text("".join(message["content"] for message in messages))
         try:
-            prompt = self.engine.render_prompt([message.for_template() for message in request.messages])
+            prompt_ids = self.engine.encode_chat(messages)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
-        check_prompt_text(prompt)
-        prompt_ids = self.engine.encode(prompt)
         check_prompt_tokens(len(prompt_ids), self.settings)
         return PreparedChat(
             request=request,
-            prompt=prompt,
             prompt_ids=prompt_ids,
             params=self._sampling_params(request, len(prompt_ids)),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -141,10 +139,10 @@ class ChatCompletions:
         configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
         return openai_default if configured is None else type(openai_default)(configured)
 
-    def start(self, prepared: PreparedChat):
-        """Queue the generation, or raise 503 before anything was sent."""
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()):
+        """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
-            return self.engine.submit(prepared.prompt_ids, prepared.params)
+            return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
         except EngineOverloaded as exc:
             raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineUnavailable:

@@ -122,8 +122,10 @@ RESPONSE_SCHEMAS = {
     "Health": {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}},
     "Readiness": {
         "type": "object",
-        "description": "This worker's state; more facts (load and warm-up seconds, threads, ...) may appear.",
-        "required": ["status", "model", "worker_pid", "running", "waiting"],
+        "description": "This worker's state and counts. With API keys on, a caller without a key gets only "
+        "these and requests_finished; otherwise the model and more facts (load and warm-up seconds, threads, "
+        "...) appear.",
+        "required": ["status", "worker_pid", "running", "waiting"],
         "properties": {
             "status": {"type": "string"},
             "model": {"type": "string"},

@@ -7,6 +7,7 @@ it decides whether to import torch at all (PRELOAD_LIBRARIES).
 import os
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -133,9 +134,15 @@ class Settings(BaseSettings):
     )
 
     # Cache
-    redis_url: str = Field(
-        "", description="Redis shared by every worker and host for the response cache (redis://, rediss://, "
-        "with password or ACL user); empty keeps an in-process LRU per worker."
+    redis_url: SecretStr = Field(
+        SecretStr(""), description="Redis shared by every worker and host for the response cache (redis://, "
+        "rediss://, with password or ACL user; kept out of reprs and logs); empty keeps an in-process LRU per worker."
+    )
+    cache_scope: Literal["key", "shared"] = Field(
+        "key", description="With API_KEYS set, `key` gives each API key its own cached replies and "
+        "single-flights, so no client can tell what another asked; `shared` lets every key hit every reply "
+        "(for a frontend that holds one key for all its users; a client can then learn, by X-Cache or timing, "
+        "that someone sent the same conversation). Without API_KEYS there is one shared scope."
     )
     cache_ttl_seconds: int = Field(86400, ge=1, description="How long a cached reply lives.")
     cache_max_entry_bytes: int = Field(
@@ -145,8 +152,8 @@ class Settings(BaseSettings):
         1024, ge=1, description="Replies the in-process cache of one worker keeps (used without REDIS_URL)."
     )
     cache_lease_seconds: float = Field(
-        3.0, gt=0, description="Expiry of the single-flight lock; the generating request renews it, and "
-        "followers take over this long after its leader died."
+        3.0, gt=0, description="Expiry of the single-flight lock; the generating worker renews it three times "
+        "per lease whatever its client reads, and followers take over this long after that worker died."
     )
     cache_poll_seconds: float = Field(
         0.1, gt=0, description="Longest a follower waits on Redis in one call before checking its leader."
@@ -179,6 +186,11 @@ class Settings(BaseSettings):
     max_messages: int = Field(256, ge=1, description="Most messages one chat request may carry.")
     max_prompt_tokens: int = Field(
         0, ge=0, description="Most prompt tokens one request may send; 0 means only the context window limits it."
+    )
+    trust_control_tokens_in_messages: bool = Field(
+        False, description="Parse control-token text inside message content (`<|im_start|>`) as the control "
+        "token itself, as the bare chat template does. Off by default: such text is encoded as ordinary text, "
+        "so a message cannot forge a turn. Turn on only when every caller may write whole prompts."
     )
 
     # Performance

@@ -4,7 +4,7 @@ Flask itself serves `service/static/` at `/static/` (the app's own static folder
 adds the page at `/`.
 """
 
-from flask import Blueprint, current_app
+from flask import Blueprint, current_app, request
 
 bp = Blueprint("ui", __name__)
 
@@ -16,16 +16,26 @@ CONTENT_SECURITY_POLICY = (
 )
 
 
+PAGE_ENDPOINTS = frozenset({"ui.show_chat_page", "static"})
+
+
 @bp.get("/")
 def show_chat_page():
-    """Serve the chat page under a strict content security policy."""
-    response = current_app.send_static_file("index.html")
-    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "no-referrer"
+    """Serve the chat page."""
+    return current_app.send_static_file("index.html")
+
+
+def add_page_headers(response):
+    """Put the page's security headers on the page and on every static file, errors included, however it is
+    reached (`/static/index.html` is the same page)."""
+    if request.endpoint in PAGE_ENDPOINTS:
+        response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "no-referrer"
     return response
 
 
 def init_app(app) -> None:
-    """Register the chat page."""
+    """Register the chat page and the headers of everything it is made of."""
     app.register_blueprint(bp)
+    app.after_request(add_page_headers)

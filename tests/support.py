@@ -173,17 +173,19 @@ class GunicornServer:
 
 
 class RedisServer:
-    """A throwaway redis-server on a free loopback port, without persistence."""
+    """A throwaway redis-server on a free loopback port, without persistence (and with a password if given)."""
 
-    def __init__(self, work_dir: Path):
+    def __init__(self, work_dir: Path, password: str = ""):
         self.port = free_port()
         self.work_dir = work_dir
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         """Return the redis:// URL of the server."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
         """Start redis-server and wait until it answers PING."""
@@ -192,7 +194,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.work_dir)],
+             "--dir", str(self.work_dir), *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -201,7 +203,8 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    # A server with a password refuses PING with -NOAUTH: it answers, so it is up.
+                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -290,3 +293,78 @@ def wait_for_samples(server, condition, timeout: float = 30) -> dict:
             }
             return samples
         time.sleep(0.1)
+
+
+class StreamingClient:
+    """A streamed chat request read in its own thread, which the test can watch and hang up.
+
+    `chunks` grows as content arrives; `status` is the X-Cache header; `ended` is set once the stream
+    ended, broke, or was hung up.
+    """
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None):
+        self.url = url
+        self.body = body
+        self.headers = {"Connection": "close", **(headers or {})}
+        self.status: str | None = None
+        self.chunks: list[str] = []
+        self.errors: list[dict] = []
+        self.done = False
+        self.ended = threading.Event()
+        self._hang_up = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        """Read the stream until its end, or until told to hang up."""
+        try:
+            with requests.post(f"{self.url}/v1/chat/completions", json=self.body, headers=self.headers, stream=True,
+                               timeout=300) as response:
+                self.status = response.headers.get("X-Cache")
+                for payload in stream_lines(response):
+                    if payload == "[DONE]":
+                        self.done = True
+                        break
+                    if "error" in payload:
+                        self.errors.append(payload["error"])
+                        continue
+                    content = payload["choices"][0]["delta"].get("content") if payload["choices"] else None
+                    if content:
+                        self.chunks.append(content)
+                    if self._hang_up.is_set():
+                        break
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+            pass
+        finally:
+            self.ended.set()
+
+    @property
+    def text(self) -> str:
+        """Return the content received so far."""
+        return "".join(self.chunks)
+
+    def wait_for_headers(self, timeout: float = 60) -> None:
+        """Block until the response's headers arrived (a queued request has them before any token)."""
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            assert not self.ended.is_set(), "the stream ended before its headers"
+            assert time.monotonic() < deadline, f"no headers after {timeout} s"
+            time.sleep(0.01)
+
+    def wait_for_chunks(self, count: int, timeout: float = 120) -> None:
+        """Block until `count` content chunks arrived (failing if the stream ends or time runs out first)."""
+        deadline = time.monotonic() + timeout
+        while len(self.chunks) < count:
+            assert not self.ended.is_set(), f"the stream ended after {len(self.chunks)} chunks"
+            assert time.monotonic() < deadline, f"only {len(self.chunks)} chunks after {timeout} s"
+            time.sleep(0.01)
+
+    def hang_up(self) -> None:
+        """Close the connection at the next chunk, as a client that goes away does, and wait for it."""
+        self._hang_up.set()
+        assert self.ended.wait(120)
+
+    def finish(self, timeout: float = 300) -> "StreamingClient":
+        """Wait for the stream to end."""
+        assert self.ended.wait(timeout), "the stream did not end"
+        return self

@@ -15,8 +15,8 @@ import pytest
 
 from service import create_app
 from service.cache import CachedReply, cache_key
-from service.cache.entries import flight_key, is_complete, lock_key, reply_key
-from service.engine import Finished, SamplingParams
+from service.cache.entries import FlightRecord, flight_key, is_complete, lock_key, reply_key
+from service.engine import Finished, SamplingParams, TextDelta
 from service.schemas import parse_chat_request
 from support import RedisServer
 
@@ -68,7 +68,7 @@ def key_of(app, body) -> str:
     core = app.extensions["corechat"]
     with app.app_context():
         prepared = core.chat.prepare(parse_chat_request(body))
-    return cache_key(core.engine.fingerprint, prepared.prompt, prepared.params)
+    return cache_key(core.engine.fingerprint, "", prepared.prompt_ids, prepared.params)
 
 
 def reference_reply(app, body) -> list[str]:
@@ -83,13 +83,14 @@ def reference_reply(app, body) -> list[str]:
 
 def test_key_is_stable_and_changes_with_every_output_changing_input():
     params = SamplingParams(max_tokens=10, temperature=0.0)
-    key = cache_key("model-a", "prompt", params)
-    assert key == cache_key("model-a", "prompt", SamplingParams(max_tokens=10, temperature=0.0))
+    key = cache_key("model-a", "", [1, 2, 3], params)
+    assert key == cache_key("model-a", "", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0))
     variants = [
-        cache_key("model-b", "prompt", params),
-        cache_key("model-a", "prompt!", params),
+        cache_key("model-b", "", [1, 2, 3], params),
+        cache_key("model-a", "", [1, 2, 4], params),
+        cache_key("model-a", "key:abc", [1, 2, 3], params),
         *(
-            cache_key("model-a", "prompt", replace(params, **change))
+            cache_key("model-a", "", [1, 2, 3], replace(params, **change))
             for change in (
                 {"max_tokens": 11}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5}, {"seed": 1},
                 {"stop": ("\n",)}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
@@ -97,7 +98,7 @@ def test_key_is_stable_and_changes_with_every_output_changing_input():
         ),
     ]
     assert len({key, *variants}) == len(variants) + 1
-    assert reply_key(key).startswith("corechat:v1:")
+    assert reply_key(key).startswith("corechat:v2:")
 
 
 def test_same_rendered_prompt_from_different_json_shares_an_entry(make_settings, engine, backend):
@@ -159,7 +160,7 @@ def test_reply_is_stored_with_the_configured_ttl(make_settings, engine, redis_se
     store = app.extensions["corechat_cache"].store
     ttl = store.client.ttl(reply_key(key_of(app, GREEDY)))
     assert 1200 < ttl <= 1234
-    assert store.client.keys("corechat:v1:lock:*") == []
+    assert store.client.keys("corechat:v2:lock:*") == []
 
 
 def test_reply_larger_than_the_cap_is_not_stored(make_settings, engine, backend):
@@ -268,6 +269,24 @@ def test_a_server_answering_garbage_is_treated_as_down(make_settings, engine):
 # Single-flight ------------------------------------------------------------------------------
 
 
+def engine_pieces(app, body) -> list[TextDelta]:
+    """Return the pieces, with their tokens, of an uncached generation of a request, as the app would ask."""
+    core = app.extensions["corechat"]
+    with app.app_context():
+        prepared = core.chat.prepare(parse_chat_request(body))
+    events = list(core.engine.submit(prepared.prompt_ids, prepared.params).events())
+    return [event for event in events if isinstance(event, TextDelta)]
+
+
+def leave_a_dead_leaders_run(app, body, pieces: list[TextDelta], lease_seconds: float, *, token_ids=None) -> None:
+    """Leave in the store what a worker that died mid-reply leaves: its lock, not renewed, and its run."""
+    store = app.extensions["corechat_cache"].store
+    digest = key_of(app, body)
+    assert store.acquire(lock_key(digest), "dead-leader", lease_seconds)
+    for index, record in enumerate([FlightRecord("begin", "run-1"), *(FlightRecord("piece", "run-1", piece) for piece in pieces)]):
+        assert store.append(lock_key(digest), "dead-leader", flight_key(digest), record.encode(), restart=index == 0)
+
+
 def test_identical_requests_in_one_worker_cost_one_generation(make_settings, engine, backend):
     app = build_app(make_settings, engine, backend)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
@@ -288,56 +307,115 @@ def test_identical_requests_in_one_worker_cost_one_generation(make_settings, eng
     assert engine.facts["requests_finished"] - finished_before == 1
 
 
-def test_follower_takes_over_from_a_cancelled_leader(make_settings, engine, backend):
+def test_generation_goes_on_for_a_follower_in_the_worker_when_the_first_client_leaves(make_settings, engine, backend):
     app = build_app(make_settings, engine, backend)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
-    reference = reference_reply(app, body)
     leader = post(app, body)
     assert leader.headers["X-Cache"] == "miss"
     leader_chunks = leader.iter_encoded()
     received = ""
     while not content_chunks(received):
         received += next(leader_chunks).decode()
-    follower_reply = {}
-    follower_joined = threading.Event()
-
-    def follow():
-        response = post(app, body)
-        follower_joined.set()
-        follower_reply.update(status=response.headers["X-Cache"], chunks=content_chunks(read_stream(response)))
-
-    follower = threading.Thread(target=follow)
-    follower.start()
-    assert follower_joined.wait(60)
+    finished_before = engine.facts["requests_finished"]
+    follower = post(app, body)
     leader.close()
-    follower.join(120)
-    assert follower_reply == {"status": "hit", "chunks": reference}
-    assert post(app, body).headers["X-Cache"] == "hit"
+    assert follower.headers["X-Cache"] == "hit"
+    chunks = content_chunks(read_stream(follower))
+    assert chunks[: len(content_chunks(received))] == content_chunks(received)
+    assert engine.facts["requests_finished"] - finished_before == 1  # the one generation, not a second
+    replayed = post(app, body)
+    assert replayed.headers["X-Cache"] == "hit"
+    assert content_chunks(read_stream(replayed)) == chunks
 
 
-def test_follower_takes_over_from_a_leader_that_died(make_settings, engine, backend):
-    app = build_app(make_settings, engine, backend)
+def test_a_worker_takes_over_the_run_of_one_whose_client_left_and_continues_its_tokens(make_settings, engine,
+                                                                                      redis_server):
+    leader_worker = build_app(make_settings, engine, redis_server.url)
+    other_worker = build_app(make_settings, engine, redis_server.url)
+    body = {**GREEDY, "max_tokens": 24, "temperature": 1.0, "seed": 11, "stream": True}
+    leader = post(leader_worker, body)
+    assert leader.headers["X-Cache"] == "miss"
+    leader_chunks = leader.iter_encoded()
+    received = ""
+    while len(content_chunks(received)) < 3:
+        received += next(leader_chunks).decode()
+    follower = post(other_worker, body)
+    assert follower.headers["X-Cache"] == "hit"
+    follower_chunks = follower.iter_encoded()
+    followed = ""
+    while len(content_chunks(followed)) < 3:
+        followed += next(follower_chunks).decode()
+    leader.close()
+    chunks = content_chunks(followed + "".join(chunk.decode() for chunk in follower_chunks))
+    sent = content_chunks(received)
+    assert chunks[: len(sent)] == sent
+    records = [FlightRecord.decode(fields) for _, fields in
+               redis_server_records(other_worker, body)]
+    kinds = [record.kind for record in records]
+    assert "abandoned" in kinds and kinds[-1] == "end"
+    assert "piece" in kinds[kinds.index("abandoned"):]  # the other worker generated the rest
+    tokens = [token for record in records if record.kind == "piece" for token in record.event.token_ids]
+    assert engine.tokenizer.decode(tokens, skip_special_tokens=True) == "".join(chunks)
+    assert records[-1].event.completion_tokens == 24
+    replayed = post(leader_worker, body)
+    assert replayed.headers["X-Cache"] == "hit"
+    assert content_chunks(read_stream(replayed)) == chunks
+
+
+def redis_server_records(app, body) -> list:
+    """Return the records of a request's flight stream."""
+    return app.extensions["corechat_cache"].store.read_all(flight_key(key_of(app, body)))
+
+
+def test_a_worker_continues_the_run_of_one_that_died(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend, cache_lease_seconds=0.5)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
-    reference = reference_reply(app, body)
-    # What a leader that died after two pieces leaves behind: its lock, not renewed, and its stream.
-    store = app.extensions["corechat_cache"].store
-    digest = key_of(app, body)
-    assert store.acquire(lock_key(digest), "dead-leader", 0.5)
-    for piece in reference[:2]:
-        store.append(flight_key(digest, "dead-leader"), {"k": "piece", "text": piece})
+    pieces = engine_pieces(app, body)
+    leave_a_dead_leaders_run(app, body, pieces[:2], 0.5)
     response = post(app, body)
     assert response.headers["X-Cache"] == "hit"
-    assert content_chunks(read_stream(response)) == reference
-    assert post(app, body).headers["X-Cache"] == "hit"
+    chunks = content_chunks(read_stream(response))
+    assert chunks[:2] == [piece.text for piece in pieces[:2]] and len(chunks) > 2
+    replayed = post(app, body)
+    assert replayed.headers["X-Cache"] == "hit"
+    assert content_chunks(read_stream(replayed)) == chunks
 
 
-def test_a_cancelled_cache_source_still_ends_with_a_last_event():
+def test_a_failed_generation_fails_every_reader_of_its_flight_once(make_settings, engine, backend, caplog):
+    app = build_app(make_settings, engine, backend, cache_lease_seconds=0.5)
+    body = {**GREEDY, "max_tokens": 16, "stream": True}
+    # A run whose tokens the model cannot take: continuing it fails in the engine's prompt pass.
+    broken = TextDelta("?", (10**9,))
+    leave_a_dead_leaders_run(app, body, [broken], 0.5)
+    replies = [None] * 3
+
+    def ask(index):
+        response = post(app, body)
+        replies[index] = response.get_data(as_text=True)
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert all('"error"' in reply and reply.endswith("data: [DONE]\n\n") for reply in replies)
+    assert caplog.text.count("prompt pass failed") == 1
+    whole = post(app, {**body, "stream": False})
+    assert whole.status_code == 200 and whole.headers["X-Cache"] == "miss"  # a new run, after the failed one
+
+
+def test_a_cancelled_cache_source_still_ends_with_a_last_event(make_settings, engine):
     """A reader that cancels, then waits for the last event (as a non-streamed reply does when its
-    client hangs up), gets one at once instead of spinning forever on an exhausted source."""
-    from service.cache import EventSource, Flight
+    client hangs up), gets one at once instead of waiting forever."""
     from service.engine import Started
 
-    source = EventSource(Flight.replay(CachedReply(("a", "b"), "stop", 3, 2)))
+    app = build_app(make_settings, engine)
+    post(app, GREEDY).get_data()
+    core = app.extensions["corechat"]
+    with app.test_request_context():
+        prepared = core.chat.prepare(parse_chat_request(GREEDY))
+        source, status = app.extensions["corechat_cache"].open(prepared, engine.fingerprint, core.chat.start)
+    assert status == "hit"
     assert isinstance(source.next_event(timeout=1), Started)
     source.cancel()
     began = time.monotonic()

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from service import create_app
 from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
@@ -276,3 +277,80 @@ def test_readyz_answers_while_the_engine_thread_adds_facts(make_settings):
         churner.join()
         sys.setswitchinterval(interval)
     assert statuses == {503}  # not started: not ready, and never a 500
+
+
+# Continuations: a reply resumed from its first tokens, as a cache takeover does -------------
+
+
+def test_each_draw_depends_on_the_seed_and_position_alone():
+    from service.engine.sampling import Sampler
+
+    logits = [torch.randn(1000, generator=torch.Generator().manual_seed(row)) for row in range(20)]
+
+    def draws(seed: int, history: list[int]) -> list[int]:
+        """Return the tokens a sampler at position len(history) draws from each of the logits."""
+        chosen = []
+        for row in logits:
+            sampler = Sampler(SamplingParams(max_tokens=100, temperature=1.0, seed=seed), 1000)
+            for token_id in history:
+                sampler.record(token_id)
+            chosen.append(sampler.next_token(row))
+        return chosen
+
+    at_five = draws(7, [1, 2, 3, 4, 5])
+    # Other tokens before, the same position: the same draws (no state carried from earlier draws).
+    assert draws(7, [9, 9, 9, 9, 9]) == at_five
+    assert draws(7, [1, 2, 3, 4, 5, 6]) != at_five
+    assert draws(8, [1, 2, 3, 4, 5]) != at_five
+
+
+@pytest.fixture(scope="module")
+def exact_engine(make_settings):
+    """An engine in float32 throughout, where a prompt pass and a decode step give the same logits
+    to within rounding far below what moves a draw of the tiny model."""
+    exact = Engine(make_settings(max_model_len=256, dtype="float32"))
+    exact.start()
+    assert exact.wait_ready(120), exact.facts
+    yield exact
+    exact.stop()
+
+
+def pieces_of(generation) -> tuple[list[TextDelta], Finished]:
+    """Return a generation's text pieces and its last event."""
+    events = list(generation.events())
+    return [event for event in events if isinstance(event, TextDelta)], events[-1]
+
+
+def test_a_seeded_reply_continued_from_its_first_tokens_goes_on_as_the_original(exact_engine):
+    prompt_ids = exact_engine.encode(engine.render_prompt(PROMPT))
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
+    original, finished = pieces_of(exact_engine.submit(prompt_ids, params))
+    assert finished.finish_reason == "length" and len(original) > 8
+    forced = tuple(token for piece in original[:6] for token in piece.token_ids)
+    rest, continued = pieces_of(exact_engine.submit(prompt_ids, params, forced))
+    assert [piece.token_ids for piece in rest] == [piece.token_ids for piece in original[6:]]
+    assert "".join(piece.text for piece in original[:6] + rest) == "".join(piece.text for piece in original)
+    assert (continued.prompt_tokens, continued.completion_tokens) == (len(prompt_ids), 40)
+
+
+def test_a_continuation_sends_only_new_text_and_counts_the_forced_tokens(engine):
+    prompt_ids = engine.encode(engine.render_prompt(PROMPT))
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
+    original, _ = pieces_of(engine.submit(prompt_ids, params))
+    forced = tuple(token for piece in original[:4] for token in piece.token_ids)
+    rest, finished = pieces_of(engine.submit(prompt_ids, params, forced))
+    assert all(piece.token_ids for piece in rest)
+    assert finished.completion_tokens == len(forced) + sum(len(piece.token_ids) for piece in rest)
+    assert finished.completion_tokens == 30 or finished.finish_reason == "stop"
+    assert finished.prompt_tokens == len(prompt_ids)
+
+
+def test_a_continuation_whose_forced_tokens_fill_max_tokens_ends_at_once(engine):
+    prompt_ids = engine.encode(engine.render_prompt(PROMPT))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    original, _ = pieces_of(engine.submit(prompt_ids, params))
+    forced = tuple(token for piece in original for token in piece.token_ids)
+    rest, finished = pieces_of(engine.submit(prompt_ids, params, forced[:6]))
+    assert len(forced) == 6
+    assert "".join(piece.text for piece in rest) == ""
+    assert (finished.finish_reason, finished.completion_tokens) == ("length", 6)

@@ -16,7 +16,7 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from support import COUNTING, chat, parse_samples, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
 
 from service import metrics
-from service.cache import EventSource, Flight
+from service.cache import Flight
 from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
 from service.observed import ObservedGeneration
@@ -279,7 +279,7 @@ def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timing
         **{name: local_value(f"corechat_{name}_seconds_count") for name in engine_only},
     }
     replay = ObservedGeneration(
-        EventSource(Flight.replay(CachedReply(("Hello", " there"), "stop", 9, 2))), arrived_at=time.monotonic()
+        Flight.replayed(CachedReply(("Hello", " there"), "stop", 9, 2)).join(), arrived_at=time.monotonic()
     )
     assert isinstance(list(replay.events())[-1], Finished)
     replay.cancel()

@@ -12,16 +12,28 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-# Compare-and-delete / compare-and-extend: only the lock's holder may release or renew it.
+# Only the lock's holder may release it, renew it (and with it its flight stream) or write to the stream:
+# a leader whose lease lapsed can never write after the one that took over began. Hand-written rather
+# than redis-py's Lock, whose scripts cover the lock alone, not a write guarded by it.
 RELEASE_SCRIPT = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
 RENEW_SCRIPT = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-return 0
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('pexpire', KEYS[1], ARGV[2])
+redis.call('expire', KEYS[2], ARGV[3])
+return 1
 """
-# A flight stream outlives its last piece long enough for every follower to read the end.
+APPEND_SCRIPT = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[3] == '1' then redis.call('del', KEYS[2]) end
+redis.call('xadd', KEYS[2], '*', unpack(ARGV, 4))
+redis.call('expire', KEYS[2], ARGV[2])
+return 1
+"""
+# A flight stream outlives its last write long enough for every follower to read the end, or to take
+# over a run whose generator stopped.
 FLIGHT_STREAM_SECONDS = 60
 HEALTH_CHECK_SECONDS = 30
 
@@ -43,6 +55,7 @@ class RedisStore:
         self.errors = (redis.RedisError, OSError)
         self._release = self.client.register_script(RELEASE_SCRIPT)
         self._renew = self.client.register_script(RENEW_SCRIPT)
+        self._append = self.client.register_script(APPEND_SCRIPT)
 
     def get(self, key: str) -> bytes | None:
         """Return a stored value, or None."""
@@ -60,9 +73,9 @@ class RedisStore:
         """Take a lock unless someone holds it; return whether this token now holds it."""
         return bool(self.client.set(key, token, nx=True, px=int(lease_seconds * 1000)))
 
-    def renew(self, key: str, token: str, lease_seconds: float) -> bool:
-        """Extend a lock this token holds; return whether it still held it."""
-        return bool(self._renew(keys=[key], args=[token, int(lease_seconds * 1000)]))
+    def renew(self, key: str, token: str, lease_seconds: float, stream: str) -> bool:
+        """Extend a lock this token holds and keep its flight stream alive; return whether it still held it."""
+        return bool(self._renew(keys=[key, stream], args=[token, int(lease_seconds * 1000), FLIGHT_STREAM_SECONDS]))
 
     def release(self, key: str, token: str) -> None:
         """Drop a lock if this token holds it."""
@@ -73,12 +86,16 @@ class RedisStore:
         token = self.client.get(key)
         return token.decode() if token is not None else None
 
-    def append(self, stream: str, record: dict[str, str]) -> None:
-        """Add a record to a flight stream and keep the stream alive a while longer."""
-        pipeline = self.client.pipeline(transaction=False)
-        pipeline.xadd(stream, record)
-        pipeline.expire(stream, FLIGHT_STREAM_SECONDS)
-        pipeline.execute()
+    def append(self, key: str, token: str, stream: str, record: dict[str, str], *, restart: bool = False) -> bool:
+        """Add a record to a flight stream (emptied first if `restart`) if this token holds the lock;
+        return whether it did."""
+        fields = [item for pair in record.items() for item in pair]
+        args = [token, FLIGHT_STREAM_SECONDS, "1" if restart else "0", *fields]
+        return bool(self._append(keys=[key, stream], args=args))
+
+    def read_all(self, stream: str) -> list[tuple[object, dict[str, str]]]:
+        """Return every record of a stream."""
+        return [(record_id, self._decoded(fields)) for record_id, fields in self.client.xrange(stream)]
 
     def read(self, stream: str, after, block_seconds: float) -> list[tuple[object, dict[str, str]]]:
         """Return the records after `after`, waiting up to block_seconds for the first one."""
@@ -86,10 +103,12 @@ class RedisStore:
         reply = self._waiting_client.xread({stream: after}, block=block_ms)
         if not reply:
             return []
-        return [
-            (record_id, {field.decode(): value.decode() for field, value in fields.items()})
-            for record_id, fields in reply[0][1]
-        ]
+        return [(record_id, self._decoded(fields)) for record_id, fields in reply[0][1]]
+
+    @staticmethod
+    def _decoded(fields: dict[bytes, bytes]) -> dict[str, str]:
+        """Return a stream entry's fields as text."""
+        return {field.decode(): value.decode() for field, value in fields.items()}
 
 
 class LocalStore:
@@ -103,7 +122,10 @@ class LocalStore:
         self._changed = threading.Condition()
         self._values: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._locks: dict[str, tuple[str, float]] = {}
-        self._streams: dict[str, tuple[float, list[dict[str, str]]]] = {}
+        # Record ids grow across streams, as Redis's do: a stream restarted under a reader never
+        # hands it ids it has already passed.
+        self._streams: dict[str, tuple[float, list[tuple[int, dict[str, str]]]]] = {}
+        self._last_id = 0
 
     def get(self, key: str) -> bytes | None:
         """Return a stored value, or None."""
@@ -140,12 +162,14 @@ class LocalStore:
             self._locks[key] = (token, time.monotonic() + lease_seconds)
             return True
 
-    def renew(self, key: str, token: str, lease_seconds: float) -> bool:
-        """Extend a lock this token holds; return whether it still held it."""
+    def renew(self, key: str, token: str, lease_seconds: float, stream: str) -> bool:
+        """Extend a lock this token holds and keep its flight stream alive; return whether it still held it."""
         with self._changed:
             if self.holder(key) != token:
                 return False
             self._locks[key] = (token, time.monotonic() + lease_seconds)
+            if stream in self._streams:
+                self._streams[stream] = (time.monotonic() + FLIGHT_STREAM_SECONDS, self._streams[stream][1])
             return True
 
     def release(self, key: str, token: str) -> None:
@@ -160,20 +184,38 @@ class LocalStore:
             token, expires_at = self._locks.get(key, (None, 0.0))
             return token if expires_at > time.monotonic() else None
 
-    def append(self, stream: str, record: dict[str, str]) -> None:
-        """Add a record to a flight stream and wake its readers."""
+    def append(self, key: str, token: str, stream: str, record: dict[str, str], *, restart: bool = False) -> bool:
+        """Add a record to a flight stream (emptied first if `restart`) if this token holds the lock, and
+        wake its readers; return whether it did."""
         with self._changed:
-            _, records = self._streams.get(stream, (0.0, []))
-            records.append(record)
+            if self.holder(key) != token:
+                return False
+            records = [] if restart else self._records(stream)
+            self._last_id += 1
+            records.append((self._last_id, dict(record)))
             self._streams[stream] = (time.monotonic() + FLIGHT_STREAM_SECONDS, records)
             self._changed.notify_all()
+            return True
 
     def read(self, stream: str, after: int, block_seconds: float) -> list[tuple[int, dict[str, str]]]:
-        """Return the records after position `after`, waiting up to block_seconds for the first one."""
+        """Return the records after id `after`, waiting up to block_seconds for the first one."""
         with self._changed:
-            self._changed.wait_for(lambda: len(self._streams.get(stream, (0.0, []))[1]) > after, block_seconds)
-            records = self._streams.get(stream, (0.0, []))[1]
-            return [(position + 1, record) for position, record in enumerate(records[after:], start=after)]
+            self._changed.wait_for(lambda: self._after(stream, after), block_seconds)
+            return self._after(stream, after)
+
+    def read_all(self, stream: str) -> list[tuple[int, dict[str, str]]]:
+        """Return every record of a stream."""
+        with self._changed:
+            return self._after(stream, self.stream_start)
+
+    def _records(self, stream: str) -> list[tuple[int, dict[str, str]]]:
+        """Return a live stream's records (called with the condition held)."""
+        expires_at, records = self._streams.get(stream, (0.0, []))
+        return records if expires_at > time.monotonic() else []
+
+    def _after(self, stream: str, after: int) -> list[tuple[int, dict[str, str]]]:
+        """Return a stream's records after id `after` (called with the condition held)."""
+        return [(record_id, record) for record_id, record in self._records(stream) if record_id > after]
 
     def _forget_expired(self) -> None:
         """Drop expired locks and streams (called with the condition held)."""

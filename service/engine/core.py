@@ -62,6 +62,8 @@ class TextDelta:
     """A piece of generated text: whole characters, no stop string."""
 
     text: str
+    # The tokens that completed this text since the previous piece: what a continuation is forced with.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,14 +100,24 @@ def events_until_last(source):
 
 
 class Generation:
-    """A request's handle: the events the engine sends it, and a way to cancel it."""
+    """A request's handle: the events the engine sends it, and a way to cancel it.
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams):
+    `forced_ids` start the reply with tokens generated before (a continuation): they are processed
+    with the prompt, count as completion tokens, and their text is not sent again.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()):
         self.prompt_ids = prompt_ids
         self.params = params
+        self.forced_ids = tuple(forced_ids)
         self.submitted_at = time.monotonic()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cancelled = threading.Event()
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Return the tokens the engine processes before it samples: the prompt, then the forced ones."""
+        return [*self.prompt_ids, *self.forced_ids]
 
     def cancel(self) -> None:
         """Ask the engine to stop this generation at its next token."""
@@ -143,6 +155,8 @@ class _Sequence:
     started_at: float
     next_input: list[int]
     completion_tokens: int = 0
+    # Tokens taken since the last text piece went out, sent along with the next one.
+    unsent_ids: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
@@ -274,6 +288,7 @@ class Engine:
                 quantization += ", int8 activations per token in prompt passes"
                 weight_format += ":a8prompt"
             self.facts.update(int8_weights=str(converted), quantization=quantization)
+            log.info("int8 weights mapped from %s", converted)
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
@@ -290,7 +305,7 @@ class Engine:
     def _warm_up(self) -> None:
         """Run one real short generation so the first request does not pay for lazy initialisation."""
         began = time.monotonic()
-        prompt_ids = self.encode(self.render_prompt(WARMUP_MESSAGES))
+        prompt_ids = self.encode_chat(WARMUP_MESSAGES)
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
         self._decode_until_done([self._begin(generation)])
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
@@ -340,6 +355,24 @@ class Engine:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render a conversation for the reply and tokenize it, message text as ordinary text.
+
+        Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
+        cannot open a turn of its own; TRUST_CONTROL_TOKENS_IN_MESSAGES parses them as the template would.
+        """
+        if self.settings.trust_control_tokens_in_messages:
+            return self.encode(self.render_prompt(messages))
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+            )
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc)) from None
+        return list(encoded["input_ids"])
+
     def _find_eos_ids(self) -> set[int]:
         """Collect the ids that end a reply: the generation config's and the tokenizer's EOS."""
         configured = self.generation_defaults.eos_token_id
@@ -350,12 +383,12 @@ class Engine:
 
     # Requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation; raise EngineOverloaded when the queue is full, EngineUnavailable when closed.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()) -> Generation:
+        """Queue a generation (continuing `forced_ids` if given); raise EngineOverloaded when the queue is full, EngineUnavailable when closed.
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
-        generation = Generation(prompt_ids, params)
+        generation = Generation(prompt_ids, params, forced_ids)
         if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
             raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
         full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
@@ -477,17 +510,41 @@ class Engine:
         """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
         now = time.monotonic()
         deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
-        cache, cached = self._prefixes.lookup(generation.prompt_ids)
-        return _Sequence(
+        input_ids = generation.input_ids
+        cache, cached = self._prefixes.lookup(input_ids)
+        sequence = _Sequence(
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size),
             text=TextAssembler(self.tokenizer, generation.params.stop),
             cache=cache if cache is not None else DynamicCache(config=self.model.config),
             started_at=now,
-            next_input=generation.prompt_ids[cached:],
+            next_input=input_ids[cached:],
             cached_prompt_tokens=cached,
             deadline=now + deadline_seconds,
         )
+        self._force(sequence, generation.forced_ids)
+        return sequence
+
+    @staticmethod
+    def _force(sequence: _Sequence, forced_ids: tuple[int, ...]) -> None:
+        """Put a continuation's sampler and text where the original generation stood after `forced_ids`.
+
+        Their text was sent before, so it is assembled (for stop strings and split characters) but not sent.
+        """
+        for token_id in forced_ids:
+            sequence.sampler.record(token_id)
+            sequence.text.add(token_id)
+        sequence.completion_tokens = len(forced_ids)
+
+    def _forced_reply_ended(self, sequence: _Sequence) -> bool:
+        """Finish a continuation whose forced tokens already end the reply (max_tokens or a stop string)."""
+        if sequence.text.stopped:
+            self._finish(sequence, "stop")
+            return True
+        if sequence.completion_tokens >= sequence.generation.params.max_tokens:
+            self._finish(sequence, "length")
+            return True
+        return False
 
     def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
         """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
@@ -508,13 +565,15 @@ class Engine:
                     logits_to_keep=1,
                 )
                 if not sequence.next_input:
-                    self._prefixes.store(sequence.generation.prompt_ids, sequence.cache)
+                    self._prefixes.store(sequence.generation.input_ids, sequence.cache)
             sequence.prompt_seconds += time.monotonic() - began
             if sequence.next_input:
                 return None
             self.facts["prefix_cache_bytes"] = self._prefixes.bytes
             if sequence.cached_prompt_tokens:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
+            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
+                return False
             return self._advance(sequence, output.logits[0, -1])
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
@@ -579,9 +638,11 @@ class Engine:
         if token_id in self._eos_ids:
             self._finish(sequence, "stop")
             return False
+        sequence.unsent_ids.append(token_id)
         delta = sequence.text.add(token_id)
         if delta:
-            generation.send(TextDelta(delta))
+            generation.send(TextDelta(delta, tuple(sequence.unsent_ids)))
+            sequence.unsent_ids.clear()
         if sequence.text.stopped:
             self._finish(sequence, "stop")
             return False
@@ -594,7 +655,7 @@ class Engine:
         """Send the held-back text and the final event of a sequence."""
         rest = sequence.text.finish() if finish_reason != "cancelled" else ""
         if rest:
-            sequence.generation.send(TextDelta(rest))
+            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
         self.facts["requests_finished"] += 1
         sequence.generation.send(

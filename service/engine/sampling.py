@@ -1,5 +1,6 @@
 """Choose the next token from logits, as OpenAI's sampling parameters describe."""
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 
@@ -31,19 +32,30 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
+def step_seed(seed: int, position: int) -> int:
+    """Return the seed of the draw for the token at `position` of a reply seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
 @dataclass
 class Sampler:
-    """Per-sequence sampling state: its random generator and the counts of tokens it produced."""
+    """Per-sequence sampling state: its seed, its position in the reply and the counts of tokens it produced.
+
+    Each draw is seeded from the request's seed and the token's position alone (a counter-based
+    scheme): a reply continued from any position, in any batch, draws what the original would have.
+    """
 
     params: SamplingParams
     vocab_size: int
     generator: torch.Generator = field(init=False)
+    seed: int = field(init=False)
+    position: int = field(init=False, default=0)
     output_counts: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.generator = torch.Generator()
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32)
 
@@ -71,9 +83,11 @@ class Sampler:
             drop[0] = False
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
         probabilities = torch.softmax(logits, dim=-1)
+        self.generator.manual_seed(step_seed(self.seed, self.position))
         return int(torch.multinomial(probabilities, 1, generator=self.generator))
 
     def record(self, token_id: int) -> None:
-        """Count a produced token for the presence and frequency penalties."""
+        """Move past a token of the reply (sampled or forced), counting it for the penalties."""
+        self.position += 1
         if self.output_counts is not None and token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
