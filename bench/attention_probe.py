@@ -21,7 +21,6 @@ from transformers import DynamicCache  # noqa: E402
 from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
 from service.engine.attention import ATTENTION  # noqa: E402
-from service.engine.int8 import prompt_pass  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 CONTEXTS = (40, 1000, 3000)
@@ -35,8 +34,7 @@ def step_seconds(model, context: int, steps: int) -> tuple[float, float]:
     with torch.inference_mode():
         began = time.perf_counter()
         for start in range(0, context, CHUNK):
-            with prompt_pass(model):
-                model(input_ids=prompt[:, start : start + CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt[:, start : start + CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
         prompt_seconds = time.perf_counter() - began
         times = []
         for token in range(steps):

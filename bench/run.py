@@ -483,7 +483,7 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
                 progress("scenario 5: memory of all processes")
                 memory = memory_of(processes_of(server))
                 workers_facts = list(ready_facts(server).values())
-                converted = workers_facts[0].get("int8_weights")  # the file the workers map
+                converted = workers_facts[0].get("converted_weights")  # the file the workers map
                 served = served_weight_bytes(plan.model_dir, dtype, Path(converted) if converted else None)
                 kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
