@@ -1,4 +1,4 @@
-"""Measure a decode step at growing context with SDPA and with the engine's grouped decode attention.
+"""Measure a decode step at growing context with SDPA and with the engine's attention (by rows in bf16).
 
 `python bench/attention_probe.py [--dtype int8] [--threads 1]` loads the 0.5B dev model as a worker
 does, fills a KV cache with a prompt of each context length (in the engine's prompt chunks),
@@ -60,7 +60,7 @@ def main() -> None:
         for context in CONTEXTS:
             prompt, step = step_seconds(model, context, args.steps)
             results["contexts"].setdefault(str(context), {})[implementation] = {"prompt_seconds": prompt, "step_seconds": step}
-    rows = ["| context tokens | decode step, SDPA | decode step, grouped decode attention | prompt pass, SDPA / grouped |",
+    rows = ["| context tokens | decode step, SDPA | decode step, engine's attention | prompt pass, SDPA / engine's |",
             "|---|---|---|---|"]
     for context, figures in results["contexts"].items():
         sdpa, grouped = figures["sdpa"], figures[ATTENTION]

@@ -45,13 +45,13 @@ def quantized(fmt, outputs: int, inputs: int, generator: torch.Generator):
     return (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
 
 
-def product(fmt, inputs, weight, scales, bias=None, float32_output=True, path="reference") -> torch.Tensor:
+def product(fmt, inputs, weight, scales, outputs, bias=None, float32_output=True, path="reference") -> torch.Tensor:
     """Run the kernel on one path."""
-    return torch.ops.corechat.quantized_linear(inputs, weight, scales, bias, fmt.code, float32_output,
+    return torch.ops.corechat.quantized_linear(inputs, weight, scales, bias, fmt.code, outputs, float32_output,
                                                kernels.PATHS[path])
 
 
-def expected_product(fmt, inputs: torch.Tensor, weight, scales) -> torch.Tensor:
+def expected_product(fmt, inputs: torch.Tensor, weight, scales, outputs: int) -> torch.Tensor:
     """Compute the kernel's product independently: activations rounded per block of 32, sums in float64."""
     rows, width = inputs.shape
     blocks = inputs.float().reshape(rows, width // 32, 32)
@@ -59,7 +59,7 @@ def expected_product(fmt, inputs: torch.Tensor, weight, scales) -> torch.Tensor:
     inverse = torch.where(block_scales > 0, 1 / block_scales, torch.zeros_like(block_scales))
     levels = torch.round(blocks * inverse[:, :, None]).clamp(-127, 127)
     activations = (levels * block_scales[:, :, None]).double().reshape(rows, width)
-    return activations @ dequantize(fmt, weight, scales).double().t()
+    return activations @ dequantize(fmt, weight, scales, outputs).double().t()
 
 
 def test_avx2_path_exists_here():
@@ -74,9 +74,9 @@ def test_reference_computes_the_quantized_product(fmt):
     for outputs, inputs in shapes(fmt):
         weight, scales = quantized(fmt, outputs, inputs, generator)
         x = torch.randn(5, inputs, generator=generator)
-        got = product(fmt, x, weight, scales).double()
-        want = expected_product(fmt, x, weight, scales)
-        bound = (x.abs().double() @ dequantize(fmt, weight, scales).abs().double().t()) * 3e-5
+        got = product(fmt, x, weight, scales, outputs).double()
+        want = expected_product(fmt, x, weight, scales, outputs)
+        bound = (x.abs().double() @ dequantize(fmt, weight, scales, outputs).abs().double().t()) * 3e-5
         assert ((got - want).abs() <= bound + 1e-6).all(), (outputs, inputs)
 
 
@@ -90,9 +90,9 @@ def test_every_simd_path_gives_the_references_bits(fmt):
         for rows in ROWS:
             x = torch.randn(rows, inputs, generator=generator).to(torch.bfloat16)
             for float32_output in (True, False):
-                want = product(fmt, x, weight, scales, bias, float32_output)
+                want = product(fmt, x, weight, scales, outputs, bias, float32_output)
                 for path in simd_paths():
-                    got = product(fmt, x, weight, scales, bias, float32_output, path)
+                    got = product(fmt, x, weight, scales, outputs, bias, float32_output, path)
                     assert torch.equal(got, want), (path, outputs, inputs, rows, float32_output)
 
 
@@ -103,9 +103,9 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt):
     weight, scales = quantized(fmt, 257, 896, generator)
     x = torch.randn(130, 896, generator=generator).to(torch.bfloat16)
     for path in kernels.available_paths():
-        alone = torch.cat([product(fmt, x[row : row + 1], weight, scales, path=path) for row in range(130)])
+        alone = torch.cat([product(fmt, x[row : row + 1], weight, scales, 257, path=path) for row in range(130)])
         for rows in ROWS:
-            assert torch.equal(product(fmt, x[:rows], weight, scales, path=path), alone[:rows]), (path, rows)
+            assert torch.equal(product(fmt, x[:rows], weight, scales, 257, path=path), alone[:rows]), (path, rows)
 
 
 def test_thread_count_does_not_change_the_output():
@@ -116,23 +116,25 @@ def test_thread_count_does_not_change_the_output():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = product(INT8, x, weight, scales, path="best")
+        one = product(INT8, x, weight, scales, 4864, path="best")
         torch.set_num_threads(2)
-        two = product(INT8, x, weight, scales, path="best")
+        two = product(INT8, x, weight, scales, 4864, path="best")
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
-    """Widths the formats cannot hold and mismatched scales are refused with a message."""
+    """Widths the formats cannot hold, mismatched scales and row counts are refused with a message."""
     weight, scales = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        product(INT8, torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.int8), scales)
+        product(INT8, torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.int8), scales, 8)
     with pytest.raises(RuntimeError, match="scales"):
-        product(INT8, torch.randn(1, 64), weight, scales[:4])
+        product(INT8, torch.randn(1, 64), weight, scales[:4], 8)
+    with pytest.raises(RuntimeError, match="padded"):
+        product(INT8, torch.randn(1, 64), weight, scales, 12)
     with pytest.raises(RuntimeError, match="multiples of 64"):
-        product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 3, dtype=torch.float16))
+        product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.float16), 8)
 
 
 def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
@@ -140,12 +142,13 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
     step, or a step where +8 steps had to be clamped to 7."""
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
     packed, scales = quantize_int4(weight)
-    restored = dequantize(INT4, packed, scales)
+    restored = dequantize(INT4, packed, scales, 16)
     groups, restored_groups = weight.reshape(16, 4, 32), restored.reshape(16, 4, 32)
     extreme = groups.abs().argmax(dim=2, keepdim=True)
     assert torch.allclose(restored_groups.gather(2, extreme), groups.gather(2, extreme), rtol=1e-3)
-    step = scales.float().abs()[:, :, None]
-    clamped = groups / scales.float()[:, :, None] > 7.5
+    scales = scales[:, :4].float()
+    step = scales.abs()[:, :, None]
+    clamped = groups / scales[:, :, None] > 7.5
     bound = torch.where(clamped, step, step / 2) * (1 + 1e-3)
     assert ((restored_groups - groups).abs() <= bound).all()
 
@@ -180,30 +183,53 @@ def expected_attention(query, keys, values, start: int, scale: float) -> torch.T
     return torch.stack(output)
 
 
+def attention(query, keys, values, cache_rows, starts, ends, scale):
+    """Run the attention kernel on int64 index lists."""
+    index = {name: torch.tensor(v, dtype=torch.long) for name, v in (("c", cache_rows), ("s", starts), ("e", ends))}
+    return torch.ops.corechat.attention(query, keys, values, index["c"], index["s"], index["e"], scale)
+
+
 def test_decode_attention_matches_softmax_attention_and_ignores_padding():
     """Each row attends over its own columns: float64 math within bfloat16 rounding, and the same
     bits as the row alone in an unpadded cache."""
     generator = torch.Generator().manual_seed(6)
     heads, kv_heads, dim, width = 14, 2, 64, 300
     lengths = [300, 1, 17, 250, 64, 299, 8, 123]
-    query = torch.randn(len(lengths), heads, dim, generator=generator).to(torch.bfloat16)
-    keys = torch.randn(len(lengths), kv_heads, width, dim, generator=generator).to(torch.bfloat16)
-    values = torch.randn(len(lengths), kv_heads, width, dim, generator=generator).to(torch.bfloat16)
-    starts = torch.tensor([width - length for length in lengths])
-    batched = torch.ops.corechat.decode_attention(query, keys, values, starts, dim**-0.5)
-    for row, start in enumerate(starts.tolist()):
+    rows = len(lengths)
+    query = torch.randn(rows, heads, dim, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(rows, kv_heads, width, dim, generator=generator).to(torch.bfloat16)
+    values = torch.randn(rows, kv_heads, width, dim, generator=generator).to(torch.bfloat16)
+    starts = [width - length for length in lengths]
+    batched = attention(query, keys, values, list(range(rows)), starts, [width] * rows, dim**-0.5)
+    for row, start in enumerate(starts):
         want = expected_attention(query[row], keys[row], values[row], start, dim**-0.5)
         assert torch.allclose(batched[row].double(), want, rtol=2e-2, atol=2e-2)
         own_keys = keys[row : row + 1, :, start:].contiguous()
         own_values = values[row : row + 1, :, start:].contiguous()
-        alone = torch.ops.corechat.decode_attention(query[row : row + 1], own_keys, own_values,
-                                                    torch.zeros(1, dtype=torch.long), dim**-0.5)
+        alone = attention(query[row : row + 1], own_keys, own_values, [0], [0], [width - start], dim**-0.5)
         assert torch.equal(alone[0], batched[row]), row
 
 
-def test_decode_attention_refuses_a_row_without_keys():
-    """A start at or past the width would read nothing (or outside the cache): an error, not garbage."""
+def test_prompt_rows_attend_causally_and_as_a_decode_step_would():
+    """A prompt's token p attends to keys 0..p, the same bits as decoding it after p earlier tokens."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, tokens = 14, 2, 64, 40
+    query = torch.randn(tokens, heads, dim, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
+    values = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
+    prompt = attention(query, keys, values, [0] * tokens, [0] * tokens, list(range(1, tokens + 1)), 0.125)
+    for token in range(tokens):
+        step = attention(query[token : token + 1], keys[:, :, : token + 1].contiguous(),
+                         values[:, :, : token + 1].contiguous(), [0], [0], [token + 1], 0.125)
+        assert torch.equal(prompt[token], step[0]), token
+        causal = expected_attention(query[token], keys[0, :, : token + 1], values[0, :, : token + 1], 0, 0.125)
+        assert torch.allclose(prompt[token].double(), causal, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_refuses_rows_without_keys_or_cache():
+    """An empty or out-of-range span would read nothing or outside the cache: an error, not garbage."""
     query = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="no key"):
-        torch.ops.corechat.decode_attention(query, cache, cache, torch.tensor([4]), 1.0)
+    for cache_rows, starts, ends in (([0], [4], [4]), ([0], [0], [5]), ([1], [0], [4]), ([0], [2], [1])):
+        with pytest.raises(RuntimeError, match="no key|no cache row"):
+            attention(query, cache, cache, cache_rows, starts, ends, 1.0)

@@ -4,9 +4,11 @@ Every Linear of the decoder layers and the output layer is stored quantized; the
 norms, biases) stays bfloat16. The converted file is memory-mapped like the model's own, so every
 worker reads the same page-cache pages, and it holds exactly the layout the kernels read: nothing
 is repacked per worker.
-  int8: int8 [outputs, inputs], one float32 scale per output row (8 bits per weight).
-  int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups interleaved by
-        nibble (see kernels/csrc/kernels.h) (4.5 bits per weight).
+  int8: int8 weights, one float32 scale per output row (8 bits per weight).
+  int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups sharing each
+        byte's nibbles (about 4.5 bits per weight).
+Rows are stored in 32-byte units, those of each 4 rows side by side, so a kernel tile streams one
+sequential run of memory (kernels/csrc/kernels.h has the layout).
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
 activations are rounded to int8 in blocks of 32 and each output is summed in one fixed order, so a
 token's result depends neither on the other rows of its batch nor on how its prompt was cut.
@@ -29,8 +31,11 @@ log = logging.getLogger(__name__)
 
 # Part of the converted file's name: bump it whenever what a format writes changes, so a file
 # written by another version is never read as this one's.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 GROUP = 32
+# Rows whose 32-byte units the converted file puts side by side (kernels.h: kInterleave, kUnitBytes).
+INTERLEAVE = 4
+UNIT_BYTES = 32
 WEIGHT_SUFFIX = ".qweight"
 SCALE_SUFFIX = ".qscale"
 OUTPUT_LAYER = "lm_head.weight"
@@ -57,38 +62,69 @@ class QuantizedLinear(nn.Module):
     """A Linear whose weight is stored quantized; the output layer returns float32 logits."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
-                 float32_output: bool):
+                 out_features: int, float32_output: bool):
         super().__init__()
         self.register_buffer("qweight", weight, persistent=False)
         self.register_buffer("qscale", scales, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.format = fmt
         self.float32_output = float32_output
-        self.out_features = weight.shape[0]
+        self.out_features = out_features
         self.in_features = weight.shape[1] * (2 if fmt is INT4 else 1)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Multiply by the quantized weight (activations rounded per block of 32 inside the kernel)."""
         flat = inputs.reshape(-1, self.in_features).contiguous()
         output = torch.ops.corechat.quantized_linear(flat, self.qweight, self.qscale, self.bias, self.format.code,
-                                                     self.float32_output)
+                                                     self.out_features, self.float32_output)
         return output.reshape(*inputs.shape[:-1], self.out_features)
 
 
+def padded_rows(outputs: int) -> int:
+    """Return the rows stored for a matrix: a multiple of INTERLEAVE."""
+    return -(-outputs // INTERLEAVE) * INTERLEAVE
+
+
+def interleave(rows: torch.Tensor) -> torch.Tensor:
+    """Pad a matrix of per-row bytes with zero rows to a multiple of INTERLEAVE and put unit u of
+    each group of INTERLEAVE rows side by side, the order the kernel streams (kernels.h)."""
+    outputs, width = rows.shape
+    padded = torch.zeros(padded_rows(outputs), width, dtype=rows.dtype)
+    padded[:outputs] = rows
+    units = padded.reshape(-1, INTERLEAVE, width // UNIT_BYTES, UNIT_BYTES).transpose(1, 2)
+    return units.reshape(-1, width).contiguous()
+
+
+def deinterleave(stored: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Undo interleave: the first `outputs` rows, each row's bytes in order."""
+    width = stored.shape[1]
+    units = stored.reshape(-1, width // UNIT_BYTES, INTERLEAVE, UNIT_BYTES).transpose(1, 2)
+    return units.reshape(-1, width)[:outputs]
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix symmetrically per output row: int8 rows (-127..127) and float32 scales."""
+    """Quantize a matrix symmetrically per output row: int8 rows (-127..127) and float32 scales,
+    interleaved and padded as the kernel reads them."""
     weight = weight.float()
     scales = weight.abs().amax(dim=1) / 127
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     rows = torch.round(weight / safe[:, None]).clamp(-127, 127).to(torch.int8)
-    return rows, scales
+    padded_scales = torch.zeros(padded_rows(weight.shape[0]), dtype=torch.float32)
+    padded_scales[: weight.shape[0]] = scales
+    return interleave(rows), padded_scales
+
+
+def padded_groups(inputs: int) -> int:
+    """Return the int4 scales stored per row: one per group, padded with zeros to a multiple of 8."""
+    return (inputs // GROUP + 7) // 8 * 8
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
 
     The group's largest-magnitude weight maps to -8 exactly (as llama.cpp's q4_0 does), so all 16
-    levels are used; the rounding uses the float16 scale that is stored.
+    levels are used; the rounding uses the float16 scale that is stored. Each row's scales are
+    padded with zeros to a multiple of 8, which the kernel reads 8 at a time.
     """
     outputs, inputs = weight.shape
     if inputs % INT4.width_multiple:
@@ -102,17 +138,20 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     levels = torch.where(stored[:, :, None] != 0, levels, torch.zeros_like(levels))
     nibbles = (levels + 8).to(torch.uint8).reshape(outputs, inputs // (2 * GROUP), 2, GROUP)
     packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
-    return packed.reshape(outputs, inputs // 2).contiguous(), scales
+    padded = torch.zeros(padded_rows(outputs), padded_groups(inputs), dtype=torch.float16)
+    padded[:outputs, : inputs // GROUP] = scales
+    return interleave(packed.reshape(outputs, inputs // 2)), padded
 
 
-def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Return the float32 matrix a quantized one stands for."""
+def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for."""
+    rows = deinterleave(weight, outputs)
     if fmt is INT8:
-        return weight.float() * scales[:, None]
-    outputs = weight.shape[0]
-    pairs = weight.reshape(outputs, -1, 1, GROUP)
+        return rows.float() * scales[:outputs, None]
+    groups = rows.shape[1] * 2 // GROUP
+    pairs = rows.reshape(outputs, -1, 1, GROUP)
     nibbles = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).float() - 8
-    return (nibbles.reshape(outputs, -1, GROUP) * scales.float()[:, :, None]).reshape(outputs, -1)
+    return (nibbles.reshape(outputs, groups, GROUP) * scales[:outputs, :groups].float()[:, :, None]).reshape(outputs, -1)
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}
@@ -176,7 +215,7 @@ def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Pa
         # Biases are small: a private float32 copy lets the kernel add them before its one rounding.
         bias = old.bias.detach().float() if old.bias is not None else None
         setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
-                                               bias, fmt, float32_output=module_name == "lm_head"))
+                                               bias, fmt, old.out_features, float32_output=module_name == "lm_head"))
     return target
 
 

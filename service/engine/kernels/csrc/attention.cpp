@@ -1,4 +1,4 @@
-// Decode attention: one query token per row over that row's own keys, in a fixed order.
+// Attention by query rows (kernels.h: AttentionTask), each over its own span of keys in a fixed order.
 //
 // Written as plain lane-wise C++ (8-lane partial sums, a polynomial exp) with explicit fma and no
 // reassociation, so the compiler may vectorize it for whatever instruction set it targets and
@@ -39,7 +39,7 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
-void decode_attention(const DecodeAttention& task, int64_t begin, int64_t end) {
+void attend(const AttentionTask& task, int64_t begin, int64_t end) {
     const int64_t dim = task.dim;
     const int64_t group = task.heads / task.kv_heads;
     std::vector<float> query(dim), output(dim), scores;
@@ -47,9 +47,10 @@ void decode_attention(const DecodeAttention& task, int64_t begin, int64_t end) {
         const int64_t row = pair / task.kv_heads;
         const int64_t kv_head = pair % task.kv_heads;
         const int64_t start = task.starts[row];
-        const int64_t count = task.width - start;
-        const uint16_t* keys = task.keys + ((row * task.kv_heads + kv_head) * task.width + start) * dim;
-        const uint16_t* values = task.values + ((row * task.kv_heads + kv_head) * task.width + start) * dim;
+        const int64_t count = task.ends[row] - start;
+        const int64_t first = (task.cache_rows[row] * task.kv_heads + kv_head) * task.width + start;
+        const uint16_t* keys = task.keys + first * dim;
+        const uint16_t* values = task.values + first * dim;
         scores.resize(count);
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
             const uint16_t* q = task.query + row * task.query_row_stride + head * task.query_head_stride;

@@ -4,15 +4,17 @@
 // of rows, the tile shapes or the threads, so a row's result never depends on the rest of its batch
 // and every path gives the reference's bits exactly:
 //   - activations are rounded to int8 in blocks of 32 (one float scale s_x each, round half to
-//     even); int4 products also take c = s_x * float(8 * sum of the block's int8 values);
+//     even); int4 products also take n = float(8 * sum of the block's int8 values);
 //   - within a block, lane j (0..7) of an 8-lane accumulator takes the exact integer sum over
 //     elements 4j..4j+3 of stored weight times activation, blocks in order:
 //       int8 rows:   acc[j] = fma(float(sum), s_x, acc[j])
 //       int4 groups: acc[j] = fma(float(sum), s_w * s_x, acc[j]) with the stored nibbles (0..15,
 //                    the weight plus 8) and the group's scale s_w; the +8 is taken back by
-//                    corr[b % 8] = fma(s_w, c, corr[b % 8]) over the blocks b;
+//                    corr[b % 8] = fma(s_w * s_x, n, corr[b % 8]) over the blocks b;
 //   - lanes are summed as sum_lanes below; int8 rows: sum(acc) * row scale; int4 groups:
 //     sum(acc) - sum(corr); then plus the bias, rounded to the output type.
+// Per-block scales (activations' and int4 weights') are stored padded with zeros to a multiple
+// of 8 blocks per row (padded_blocks), so SIMD code reads them 8 at a time without a tail.
 #pragma once
 
 #include <cstdint>
@@ -24,29 +26,44 @@ constexpr int64_t kBlock = 32;  // activation block and int4 weight group, in el
 
 enum WeightFormat : int { kInt8Rows = 0, kInt4Groups = 1 };
 
-// Activations rounded to int8 per block: the values, one scale per block and the int4 correction.
+inline int64_t padded_blocks(int64_t cols) { return (cols / kBlock + 7) / 8 * 8; }
+
+// Activations rounded to int8 per block: the values, one scale per block and the int4 n.
 struct QuantizedRows {
     const int8_t* values;       // [rows, cols], -127..127
-    const float* scales;        // [rows, cols / kBlock]
-    const float* corrections;   // [rows, cols / kBlock], c above
+    const float* scales;        // [rows, padded_blocks(cols)]
+    const float* corrections;   // [rows, padded_blocks(cols)], n above
     int64_t rows;
     int64_t cols;
 };
 
-// A weight matrix of `outputs` rows of `inputs` elements, as stored in the converted file.
-//   kInt8Rows:   data int8 [outputs, inputs], scales float32 [outputs] (one per output row).
-//   kInt4Groups: data uint8 [outputs, inputs / 2]: each pair of groups of 32 in 32 bytes, byte i
-//                holding element i of the first group in its low nibble and of the second in its
-//                high nibble, as weight + 8 (-8..7 stored as 0..15), so one load, a shift and two
-//                masks give both groups; inputs must be a multiple of 64. scales float16 bits
-//                [outputs, inputs / kBlock].
+// A weight matrix of `outputs` rows of `inputs` elements, as stored in the converted file. Each
+// row is cut into 32-byte units: kInt8Rows, one block of 32 int8 weights (-127..127);
+// kInt4Groups, a pair of groups of 32, byte i holding element i of the first group in its low
+// nibble and of the second in its high nibble, as weight + 8 (-8..7 stored as 0..15), so one
+// load, a shift and two masks give both groups (inputs a multiple of 64). Rows are interleaved
+// by kInterleave: unit u of rows 4g..4g+3 lie side by side, so a tile of 4 rows reads one
+// sequential stream; rows are padded with zeros to a multiple of kInterleave.
+//   scales: kInt8Rows float32 [padded rows] (one per row); kInt4Groups float16 bits
+//           [padded rows, padded_blocks(inputs)] (one per group).
+constexpr int64_t kInterleave = 4;
+constexpr int64_t kUnitBytes = 32;
+
 struct Weights {
     int format;
     const void* data;
     const void* scales;
-    int64_t outputs;
+    int64_t outputs;  // the real rows (the stored ones are padded)
     int64_t inputs;
 };
+
+inline int64_t units_per_row(const Weights& w) { return w.format == kInt8Rows ? w.inputs / kBlock : w.inputs / (2 * kBlock); }
+
+// The 32 bytes of unit `unit` of row `row`; the next unit of the row is kInterleave units on.
+inline const uint8_t* weight_unit(const Weights& w, int64_t row, int64_t unit) {
+    const int64_t index = ((row / kInterleave) * units_per_row(w) + unit) * kInterleave + row % kInterleave;
+    return static_cast<const uint8_t*>(w.data) + index * kUnitBytes;
+}
 
 // Where a product writes: rows x outputs, float32 or bfloat16, row stride `stride` elements.
 struct Output {
@@ -63,25 +80,31 @@ void matmul_reference(const QuantizedRows&, const Weights&, const float*, Output
 void matmul_avx2(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 
-// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x.
+// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's
+// arrays (scales and corrections padded as QuantizedRows says).
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, float* corrections, int64_t cols);
 
-// One query token per row against that row's own keys (columns [start, width) of its cache), so
-// the left padding of a batch never enters the sums. bfloat16 in and out, float32 inside.
-struct DecodeAttention {
-    const uint16_t* query;  // [rows, heads, dim], strides given below
-    const uint16_t* keys;   // [rows, kv_heads, width, dim], contiguous
-    const uint16_t* values; // as keys
-    const int64_t* starts;  // [rows], first valid column of each row
-    uint16_t* output;       // [rows, heads, dim], contiguous
+// Attention by query rows: row r attends to columns [starts[r], ends[r]) of cache row
+// cache_rows[r], and nothing else, in one fixed order. A decode step is one row per sequence over
+// its own span of the left-padded batch cache (the padding never enters its sums); a prompt pass
+// is one row per token over the keys up to its own position; either way a token's output is
+// the same bits. bfloat16 in and out, float32 inside.
+struct AttentionTask {
+    const uint16_t* query;       // [rows, heads, dim], strides below
+    const uint16_t* keys;        // [cache rows, kv_heads, width, dim], contiguous
+    const uint16_t* values;      // as keys
+    const int64_t* cache_rows;   // [rows]
+    const int64_t* starts;       // [rows]
+    const int64_t* ends;         // [rows]
+    uint16_t* output;            // [rows, heads, dim], contiguous
     int64_t query_row_stride, query_head_stride;
     int64_t heads, kv_heads, width, dim;
     float scale;
 };
 
 // Attend for (row, kv head) pairs [begin, end), numbered row * kv_heads + kv_head.
-void decode_attention(const DecodeAttention& task, int64_t begin, int64_t end);
+void attend(const AttentionTask& task, int64_t begin, int64_t end);
 
 inline float bfloat16_to_float(uint16_t bits) {
     uint32_t widened = static_cast<uint32_t>(bits) << 16;

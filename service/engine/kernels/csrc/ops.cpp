@@ -1,5 +1,4 @@
-// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .decode_attention and
-// .paths. Each output column (and each attention row) is computed whole by one thread, so the
+// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .attention and .paths. Each output column (and each attention row) is computed whole by one thread, so the
 // thread count never changes a result either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -74,23 +73,26 @@ std::vector<std::string> paths() {
 }
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& bias, int64_t format, bool float32_output,
-                            int64_t path) {
+                            const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
+                            bool float32_output, int64_t path) {
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
                 "input must be bfloat16 or float32");
-    TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(), "weight and scales must be contiguous");
-    const int64_t rows = input.size(0), inputs = input.size(1), outputs = weight.size(0);
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
+                "weight and scales must be contiguous");
+    const int64_t rows = input.size(0), inputs = input.size(1), stored = weight.size(0);
     TORCH_CHECK(inputs % kBlock == 0, "the input width must be a multiple of ", kBlock);
+    TORCH_CHECK(outputs > 0 && stored == (outputs + kInterleave - 1) / kInterleave * kInterleave,
+                "weight must hold the outputs padded to a multiple of ", kInterleave, " rows");
     if (format == kInt8Rows) {
-        TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == inputs, "int8 weight must be [outputs, inputs]");
-        TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == outputs, "int8 scales must be float32 [outputs]");
+        TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == inputs, "int8 weight must be [rows, inputs]");
+        TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == stored, "int8 scales must be float32 [rows]");
     } else {
         TORCH_CHECK(format == kInt4Groups, "unknown weight format ", format);
         TORCH_CHECK(inputs % (2 * kBlock) == 0, "int4 input widths must be multiples of ", 2 * kBlock);
-        TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == inputs, "int4 weight must be uint8 [outputs, inputs / 2]");
-        TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == outputs * (inputs / kBlock),
-                    "int4 scales must be float16 [outputs, inputs / 32]");
+        TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == inputs, "int4 weight must be uint8 [rows, inputs / 2]");
+        TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored * padded_blocks(inputs),
+                    "int4 scales must be float16 [rows, inputs / 32 rounded up to a multiple of 8]");
     }
     const float* bias_data = nullptr;
     if (bias.has_value()) {
@@ -101,8 +103,8 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     const MatmulKernel kernel = select_matmul(path);
 
     at::Tensor values = at::empty({rows, inputs}, input.options().dtype(at::kChar));
-    at::Tensor block_scales = at::empty({rows, inputs / kBlock}, input.options().dtype(at::kFloat));
-    at::Tensor corrections = at::empty({rows, inputs / kBlock}, input.options().dtype(at::kFloat));
+    at::Tensor block_scales = at::empty({rows, padded_blocks(inputs)}, input.options().dtype(at::kFloat));
+    at::Tensor corrections = at::empty({rows, padded_blocks(inputs)}, input.options().dtype(at::kFloat));
     const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
     at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
         quantize_rows(input.const_data_ptr(), bfloat16_input, inputs, begin, end, values.data_ptr<int8_t>(),
@@ -114,48 +116,55 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
 
     at::Tensor output = at::empty({rows, outputs}, input.options().dtype(float32_output ? at::kFloat : at::kBFloat16));
     Output out{output.data_ptr(), outputs, !float32_output};
-    const int64_t row_bytes = weight.size(1) * weight.element_size();
-    at::parallel_for(0, outputs, std::max<int64_t>(16, kParallelBytes / row_bytes),
-                     [&](int64_t begin, int64_t end) { kernel(x, w, bias_data, out, begin, end); });
+    // Whole groups of kInterleave rows per task, so every tile reads one stream.
+    const int64_t group_bytes = weight.size(1) * weight.element_size() * kInterleave;
+    const int64_t groups = stored / kInterleave;
+    at::parallel_for(0, groups, std::max<int64_t>(4, kParallelBytes / group_bytes), [&](int64_t begin, int64_t end) {
+        kernel(x, w, bias_data, out, begin * kInterleave, std::min(end * kInterleave, outputs));
+    });
     return output;
 }
 
-at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& starts, double scale) {
+at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& cache_rows, const at::Tensor& starts, const at::Tensor& ends, double scale) {
     TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-                "query must be [rows, heads, dim], keys and values [rows, kv_heads, width, dim]");
+                "query must be [rows, heads, dim], keys and values [cache rows, kv_heads, width, dim]");
     TORCH_CHECK(query.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
                 values.scalar_type() == at::kBFloat16, "attention runs on bfloat16");
     TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && query.stride(2) == 1,
                 "keys and values must be contiguous, the query's last dimension too");
     const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
-    const int64_t kv_heads = keys.size(1), width = keys.size(2);
-    TORCH_CHECK(keys.size(0) == rows && keys.size(3) == dim && heads % kv_heads == 0 && dim % 8 == 0,
-                "query and cache shapes disagree");
-    TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.numel() == rows,
-                "starts must be int64 [rows]");
+    const int64_t cache_count = keys.size(0), kv_heads = keys.size(1), width = keys.size(2);
+    TORCH_CHECK(keys.size(3) == dim && heads % kv_heads == 0 && dim % 8 == 0, "query and cache shapes disagree");
+    for (const at::Tensor* index : {&cache_rows, &starts, &ends})
+        TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->numel() == rows,
+                    "cache_rows, starts and ends must be int64 [rows]");
+    const int64_t* cache_row = cache_rows.const_data_ptr<int64_t>();
     const int64_t* first = starts.const_data_ptr<int64_t>();
-    for (int64_t row = 0; row < rows; ++row)
-        TORCH_CHECK(first[row] >= 0 && first[row] < width, "row ", row, " has no key to attend to");
+    const int64_t* last = ends.const_data_ptr<int64_t>();
+    for (int64_t row = 0; row < rows; ++row) {
+        TORCH_CHECK(cache_row[row] >= 0 && cache_row[row] < cache_count, "row ", row, " names no cache row");
+        TORCH_CHECK(first[row] >= 0 && first[row] < last[row] && last[row] <= width, "row ", row, " has no key to attend to");
+    }
     at::Tensor output = at::empty({rows, heads, dim}, query.options());
-    DecodeAttention task{
+    AttentionTask task{
         reinterpret_cast<const uint16_t*>(query.const_data_ptr()),
         reinterpret_cast<const uint16_t*>(keys.const_data_ptr()),
         reinterpret_cast<const uint16_t*>(values.const_data_ptr()),
-        first,
+        cache_row, first, last,
         reinterpret_cast<uint16_t*>(output.data_ptr()),
         query.stride(0), query.stride(1), heads, kv_heads, width, dim, static_cast<float>(scale)};
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) { decode_attention(task, begin, end); });
+    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) { attend(task, begin, end); });
     return output;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(corechat, m) {
-    m.def("quantized_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int format, "
+    m.def("quantized_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int format, int outputs, "
           "bool float32_output, int path=0) -> Tensor", quantized_linear);
-    m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor starts, float scale) -> Tensor",
-          attend_decode);
+    m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor cache_rows, Tensor starts, Tensor ends, "
+          "float scale) -> Tensor", attend_rows);
     m.def("paths() -> str[]", paths);
 }
 

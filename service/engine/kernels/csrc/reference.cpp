@@ -17,8 +17,8 @@ inline float round_half_even(float value) {
 }
 
 // The stored nibble (weight + 8) of element `element` of group `group` of a row.
-inline int32_t int4_nibble(const uint8_t* row, int64_t group, int64_t element) {
-    uint8_t packed = row[(group / 2) * 32 + element];
+inline int32_t int4_nibble(const Weights& w, int64_t row, int64_t group, int64_t element) {
+    uint8_t packed = weight_unit(w, row, group / 2)[element];
     return group % 2 == 0 ? (packed & 0x0f) : (packed >> 4);
 }
 
@@ -26,9 +26,13 @@ inline int32_t int4_nibble(const uint8_t* row, int64_t group, int64_t element) {
 
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, float* corrections, int64_t cols) {
-    const int64_t blocks = cols / kBlock;
+    const int64_t blocks = cols / kBlock, stored_blocks = padded_blocks(cols);
     float block[kBlock];
     for (int64_t row = begin; row < end; ++row) {
+        for (int64_t b = blocks; b < stored_blocks; ++b) {
+            scales[row * stored_blocks + b] = 0.0f;
+            corrections[row * stored_blocks + b] = 0.0f;
+        }
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t first = row * stride + b * kBlock;
             if (bfloat16) {
@@ -48,29 +52,28 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
                 out[i] = static_cast<int8_t>(rounded);
                 sum += out[i];
             }
-            scales[row * blocks + b] = scale;
-            corrections[row * blocks + b] = scale * static_cast<float>(8 * sum);
+            scales[row * stored_blocks + b] = scale;
+            corrections[row * stored_blocks + b] = static_cast<float>(8 * sum);
         }
     }
 }
 
 void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bias, Output out,
                       int64_t begin, int64_t end) {
-    const int64_t blocks = w.inputs / kBlock;
+    const int64_t blocks = w.inputs / kBlock, stored_blocks = padded_blocks(w.inputs);
     for (int64_t row = 0; row < x.rows; ++row) {
         const int8_t* activations = x.values + row * x.cols;
-        const float* activation_scales = x.scales + row * blocks;
+        const float* activation_scales = x.scales + row * stored_blocks;
         for (int64_t column = begin; column < end; ++column) {
             float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             float corrections[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int64_t b = 0; b < blocks; ++b) {
                 int32_t weights[kBlock];
                 if (w.format == kInt8Rows) {
-                    const int8_t* row_weights = static_cast<const int8_t*>(w.data) + column * w.inputs;
-                    for (int i = 0; i < kBlock; ++i) weights[i] = row_weights[b * kBlock + i];
+                    const int8_t* unit = reinterpret_cast<const int8_t*>(weight_unit(w, column, b));
+                    for (int i = 0; i < kBlock; ++i) weights[i] = unit[i];
                 } else {
-                    const uint8_t* row_weights = static_cast<const uint8_t*>(w.data) + column * (w.inputs / 2);
-                    for (int i = 0; i < kBlock; ++i) weights[i] = int4_nibble(row_weights, b, i);
+                    for (int i = 0; i < kBlock; ++i) weights[i] = int4_nibble(w, column, b, i);
                 }
                 for (int lane = 0; lane < 8; ++lane) {
                     int32_t sum = 0;
@@ -78,13 +81,14 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
                     if (w.format == kInt8Rows) {
                         lanes[lane] = std::fma(static_cast<float>(sum), activation_scales[b], lanes[lane]);
                     } else {
-                        const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * blocks + b]);
+                        const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * stored_blocks + b]);
                         lanes[lane] = std::fma(static_cast<float>(sum), group_scale * activation_scales[b], lanes[lane]);
                     }
                 }
                 if (w.format == kInt4Groups) {
-                    const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * blocks + b]);
-                    corrections[b % 8] = std::fma(group_scale, x.corrections[row * blocks + b], corrections[b % 8]);
+                    const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * stored_blocks + b]);
+                    corrections[b % 8] = std::fma(group_scale * activation_scales[b], x.corrections[row * stored_blocks + b],
+                                                  corrections[b % 8]);
                 }
             }
             float value = sum_lanes(lanes);
