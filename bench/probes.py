@@ -28,7 +28,7 @@ def load_dev_model(dtype: str):
     from service.devmodel import build_dev_model
     from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
-    from service.engine.quantized import prepare_model
+    from service.engine.prepare import prepare_model
     from service.settings import Settings
 
     model_dir = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")

@@ -21,7 +21,7 @@ from .loading import (
 )
 from .batching import DecodeBatch
 from .prefixes import PrefixStore
-from .quantized import prepare_model
+from .prepare import prepare_model
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
 

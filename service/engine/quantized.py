@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import kernels
 from .loading import map_safetensors, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -217,22 +216,3 @@ def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Pa
         setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
                                                bias, fmt, old.out_features, float32_output=module_name == "lm_head"))
     return target
-
-
-def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str) -> dict:
-    """Ready a loaded model for its DTYPE; return the facts to report, `weight_format` among them.
-
-    int8 and int4 swap in QuantizedLinear layers; they and bfloat16 decode with corechat's attention
-    kernel, so the kernels are loaded for all three. float32 runs transformers' own code only.
-    weight_format names what decides the replies' bits, so hosts that differ in it never share
-    cached replies.
-    """
-    if dtype == "float32":
-        return {"weight_format": dtype}
-    kernels.load(kernels_dir)
-    facts = {"weight_format": f"{dtype}:v{FORMAT_VERSION}", "kernel_paths": ",".join(kernels.available_paths())}
-    fmt = FORMATS.get(dtype)
-    if fmt is not None:
-        converted = apply_quantized(model, fmt, model_dir, converted_dir, fingerprint)
-        facts.update(quantization=f"{fmt.description}, {ACTIVATIONS}", converted_weights=str(converted))
-    return facts
