@@ -7,8 +7,11 @@ DEMO_MODEL_DIR ?= $(HOME)/.cache/corechat/demo-qwen2.5-0.5b
 DEMO_PRESET ?= qwen2.5-0.5b
 # The Debian packages the tests start or call for real; .ci/run installs the same list.
 SYSTEM_PACKAGES := $(shell cat .ci/system-packages.txt)
+# What building the C++ kernels needs (also in the list above, for CI).
+BUILD_PACKAGES := g++
+KERNEL_SOURCES := $(wildcard service/engine/kernels/csrc/*) service/engine/kernels/__init__.py
 
-.PHONY: setup system-deps serve demo-model test bench bench-quick clean
+.PHONY: setup system-deps build-deps install-packages serve demo-model test bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +21,23 @@ $(VENV)/.installed: $(PY) requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
-setup: $(VENV)/.installed
+# corechat's kernels, compiled for this CPU into the venv (a venv moved to another CPU builds again
+# at its first start).
+$(VENV)/.kernels: $(VENV)/.installed $(KERNEL_SOURCES) | build-deps
+	$(PY) -m service.engine.kernels
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.kernels
 
 # Install the missing ones (needs root, as on CI and the developer machines).
 system-deps:
-	@missing=""; for pkg in $(SYSTEM_PACKAGES); do dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES)"
+
+build-deps:
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(BUILD_PACKAGES)"
+
+install-packages:
+	@missing=""; for pkg in $(PACKAGES); do dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	if [ -n "$$missing" ]; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
@@ -34,7 +49,7 @@ demo-model: setup
 serve: demo-model
 	MODEL="$${MODEL:-$(DEMO_MODEL_DIR)}" $(VENV)/bin/gunicorn -c gunicorn.conf.py
 
-test: setup system-deps
+test: system-deps setup
 	$(PY) -m pytest -q
 
 # The benchmark beside llama.cpp's llama-server (minutes; builds the 0.5B dev model and llama.cpp

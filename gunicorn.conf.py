@@ -21,7 +21,7 @@ os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
 )
 os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
-# torch's oneDNN kernels (bf16 matrix products, int8 prompt products) keep a compiled primitive per
+# torch's oneDNN kernels (bf16 matrix products) keep a compiled primitive per
 # input shape, 1,024 of them by default, each holding memory: with prompts of ever new lengths a
 # DTYPE=bfloat16 worker grew by 652 MB over 300 lengths (test_gunicorn.py), and by nothing with 64,
 # which still holds every shape in steady use (batch sizes times layer shapes). Read when a worker

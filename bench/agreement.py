@@ -1,7 +1,7 @@
 """How far each weight format's logits are from float32's, on the 0.5B dev model.
 
-`python bench/agreement.py [--tokens 24]` loads the dev model in float32 (the reference), bfloat16
-and the int8 variants the engine can serve, and feeds each the same token sequences as the engine
+`python bench/agreement.py [--tokens 24]` loads the dev model in float32 (the reference) and in every
+other DTYPE the engine serves (bfloat16, int8, int4), and feeds each the same token sequences as the engine
 does: one prompt pass, then one token per step with the KV cache, the tokens being float32's greedy
 choices (teacher forcing, so an early disagreement does not change what is compared later). For the
 logits of the prompt pass's last position and of every step it reports the relative error
@@ -13,7 +13,6 @@ look worse than on a trained model, and no figure here is a quality figure for r
 """
 
 import argparse
-import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.probes import load_dev_model  # noqa: E402
-from service.engine.int8 import prompt_pass  # noqa: E402
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -36,32 +34,20 @@ PROMPTS = [
     "List three differences between TCP and UDP. " * 4,
     "Summarize the following text. " + "Servers stream tokens to clients as server-sent events. " * 20,
 ]
-# name -> (DTYPE, int8 activations in prompt passes, int8 activations in decode steps too)
-VARIANTS = {
-    "bfloat16": ("bfloat16", False, False),
-    "int8, weight-only": ("int8", False, False),
-    "int8, int8 activations in prompt passes": ("int8", True, False),
-    "int8, int8 activations always": ("int8", True, True),
-}
+FORMATS = ["bfloat16", "int8", "int4"]
 
 
-def run(model, prompt_ids: list[int], forced: list[int] | None, tokens: int,
-        decode_as_prompt: bool = False) -> tuple[list[torch.Tensor], list[int]]:
-    """Prompt pass then single-token steps (marked as prompt passes too if asked).
-
-    Return each call's last logits and the tokens fed.
-    """
+def run(model, prompt_ids: list[int], forced: list[int] | None, tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Prompt pass then single-token steps; return each call's last logits and the tokens fed."""
     cache = DynamicCache(config=model.config)
     logits_seen, fed = [], []
     with torch.inference_mode():
-        with prompt_pass(model):
-            logits = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
         for step in range(tokens):
             logits_seen.append(logits[0, -1].float())
             token = forced[step] if forced else int(torch.argmax(logits[0, -1]))
             fed.append(token)
-            with prompt_pass(model) if decode_as_prompt else contextlib.nullcontext():
-                logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1).logits
     return logits_seen, fed
 
 
@@ -81,11 +67,11 @@ def main() -> None:
     references = [run(reference, ids, None, args.tokens) for ids in prompts]
     del reference
     results = {"prompt_tokens": [len(ids) for ids in prompts], "tokens_per_prompt": args.tokens, "variants": {}}
-    for name, (dtype, prompt_activations, in_decode_too) in VARIANTS.items():
-        model, _ = load_dev_model(dtype, prompt_activations)
+    for name in FORMATS:
+        model, _ = load_dev_model(name)
         errors, agreements, first_errors = [], [], []
         for ids, (expected, fed) in zip(prompts, references, strict=True):
-            seen, _ = run(model, ids, fed, args.tokens, decode_as_prompt=in_decode_too)
+            seen, _ = run(model, ids, fed, args.tokens)
             for position, (got, want) in enumerate(zip(seen, expected, strict=True)):
                 error = float((got - want).norm() / want.norm())
                 errors.append(error)

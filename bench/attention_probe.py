@@ -1,4 +1,4 @@
-"""Measure a decode step at growing context with SDPA and with the engine's grouped decode attention.
+"""Measure a decode step at growing context with SDPA and with the engine's attention (by rows in bf16).
 
 `python bench/attention_probe.py [--dtype int8] [--threads 1]` loads the 0.5B dev model as a worker
 does, fills a KV cache with a prompt of each context length (in the engine's prompt chunks),
@@ -21,7 +21,6 @@ from transformers import DynamicCache  # noqa: E402
 from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
 from service.engine.attention import ATTENTION  # noqa: E402
-from service.engine.int8 import prompt_pass  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 CONTEXTS = (40, 1000, 3000)
@@ -35,8 +34,7 @@ def step_seconds(model, context: int, steps: int) -> tuple[float, float]:
     with torch.inference_mode():
         began = time.perf_counter()
         for start in range(0, context, CHUNK):
-            with prompt_pass(model):
-                model(input_ids=prompt[:, start : start + CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt[:, start : start + CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
         prompt_seconds = time.perf_counter() - began
         times = []
         for token in range(steps):
@@ -62,7 +60,7 @@ def main() -> None:
         for context in CONTEXTS:
             prompt, step = step_seconds(model, context, args.steps)
             results["contexts"].setdefault(str(context), {})[implementation] = {"prompt_seconds": prompt, "step_seconds": step}
-    rows = ["| context tokens | decode step, SDPA | decode step, grouped decode attention | prompt pass, SDPA / grouped |",
+    rows = ["| context tokens | decode step, SDPA | decode step, engine's attention | prompt pass, SDPA / engine's |",
             "|---|---|---|---|"]
     for context, figures in results["contexts"].items():
         sdpa, grouped = figures["sdpa"], figures[ATTENTION]

@@ -20,7 +20,6 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.probes import load_dev_model  # noqa: E402
-from service.engine.int8 import prompt_pass  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
@@ -38,8 +37,7 @@ def decode_seconds(forward, model, prompt_ids: list[int], tokens: int) -> tuple[
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         began = time.perf_counter()
-        with prompt_pass(model):
-            logits = forward(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = forward(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
         first_call = time.perf_counter() - began
         steps = []
         for _ in range(tokens):

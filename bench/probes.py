@@ -4,7 +4,7 @@
     python -m bench.probes baseline MODEL_DIR --threads 2 --max-tokens 64 --repetitions 5 --prompt TEXT
 
 Each prints one JSON object on stdout. `load_dev_model` loads the dev model for the in-process
-probes (bench/agreement.py, compile_probe.py, attention_probe.py, packed_probe.py).
+probes (bench/agreement.py, compile_probe.py, attention_probe.py, kernel_probe.py).
 """
 
 import argparse
@@ -20,26 +20,23 @@ BANDWIDTH_ROUNDS = 7
 DEV_MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
 
 
-def load_dev_model(dtype: str, prompt_activations: bool | None = None):
+def load_dev_model(dtype: str):
     """Build (once) and load the 0.5B dev model as a worker does; return the model and its tokenizer.
 
-    dtype is a DTYPE value; with int8, prompt passes (`service.engine.int8.prompt_pass`) round
-    activations to int8 too when prompt_activations is true (None: as the settings say).
+    dtype is a DTYPE value: int8 and int4 map (converting once) the quantized file a worker maps.
     """
     from service.devmodel import build_dev_model
-    from service.engine.int8 import apply_int8
+    from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
+    from service.engine.prepare import prepare_model
     from service.settings import Settings
 
     model_dir = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
-    if dtype == "int8":
-        settings = Settings()
-        if prompt_activations is None:
-            prompt_activations = settings.int8_prompt_activations
-        apply_int8(model, model_dir, Path(settings.converted_weights_dir), model_fingerprint(model_dir, tokenizer),
-                   prompt_activations)
+    model = load_model(model_dir, DTYPES[dtype])
+    settings = Settings()
+    prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir), Path(settings.kernels_dir),
+                  model_fingerprint(model_dir, tokenizer))
     return model, tokenizer
 
 

@@ -222,11 +222,11 @@ def element_counts_of(model_dir: Path) -> dict[str, int]:
 
 
 def served_weight_bytes(model_dir: Path, dtype: str, converted: Path | None) -> int:
-    """Return the bytes of one copy of the weights as served: for int8 the converted file plus the bf16 tensors it keeps."""
+    """Return the bytes of one copy of the weights as served: for int8 and int4 the converted file plus the bf16 tensors it keeps."""
     counts = element_counts_of(model_dir)
-    if dtype != "int8":
+    if dtype not in ("int8", "int4"):
         return sum(counts.values()) * {"bfloat16": 2, "float32": 4}[dtype]
-    replaced = {name.removesuffix(".int8") for name in safetensors_header(converted) if name.endswith(".int8")}
+    replaced = {name.removesuffix(".qweight") for name in safetensors_header(converted) if name.endswith(".qweight")}
     return converted.stat().st_size + 2 * sum(count for name, count in counts.items() if name not in replaced)
 
 
@@ -238,7 +238,8 @@ def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
-    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1}[dtype]
+    # int4: half a byte per weight and a float16 scale per 32.
+    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1, "int4": 0.5625}[dtype]
     return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes}
 
 
@@ -483,7 +484,7 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
                 progress("scenario 5: memory of all processes")
                 memory = memory_of(processes_of(server))
                 workers_facts = list(ready_facts(server).values())
-                converted = workers_facts[0].get("int8_weights")  # the file the workers map
+                converted = workers_facts[0].get("converted_weights")  # the file the workers map
                 served = served_weight_bytes(plan.model_dir, dtype, Path(converted) if converted else None)
                 kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,

@@ -6,13 +6,14 @@
 #   deploy/install.sh --root DIR          install into the staging root DIR: no user, no systemctl
 #   deploy/install.sh --root DIR --no-pip also skip `pip install` (an empty virtualenv)
 #
+# Needs python3-venv and g++ (the kernels are compiled for this CPU at install).
 # Lays out: PREFIX/app (the code), PREFIX/venv, /etc/corechat/corechat.env, the unit in
 # /etc/systemd/system, Redis in /etc/redis/redis-corechat.conf, nginx in /etc/nginx/conf.d, and the
 # model folder /srv/corechat/model (put the model's files there).
 set -euo pipefail
 
 usage() {
-    sed -n '2,11s/^# \{0,1\}//p' "$0"
+    sed -n '2,12s/^# \{0,1\}//p' "$0"
     exit "${1:-0}"
 }
 
@@ -93,6 +94,8 @@ if [ "$PIP" = 1 ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -r "$APP/requirements.txt"
     "$VENV/bin/python" -m compileall -q "$APP"
+    # corechat's C++ kernels, compiled here for this CPU with g++ (a minute), into the venv.
+    (cd "$APP" && "$VENV/bin/python" -m service.engine.kernels)
 fi
 
 REDIS_PASSWORD=$(redis_password corechat)

@@ -54,14 +54,10 @@ class Settings(BaseSettings):
         "", description="Name served in `/v1/models` and responses; defaults to the folder name or hub id."
     )
     dtype: str = Field(
-        "int8", description="Weight format: int8 (Linear weights as int8 with row scales, converted once "
-        "into a file beside the model that workers share; the rest bfloat16), bfloat16 or float32. int8 "
-        "decodes 2.6x faster than bfloat16 here (see README, Performance); bfloat16 is the exact one."
-    )
-    int8_prompt_activations: bool = Field(
-        True, description="With DTYPE=int8, prompt passes also round their activations to int8 (one "
-        "scale per token) and use int8 x int8 kernels: 2-3x faster prompts here, at a larger rounding "
-        "error (bench/agreement.py). false keeps weight-only int8 throughout."
+        "int8", description="Weight format: int8 (Linear weights as int8 with a scale per row) or int4 (groups "
+        "of 32 with a scale each), converted once into a file beside the model that workers share, the rest "
+        "bfloat16; or bfloat16, or float32. int8 and int4 run corechat's own kernels, and their replies do "
+        "not depend on what else a worker decodes (docs/performance.md)."
     )
     max_model_len: int = Field(
         0, ge=0, description="Context window in tokens; 0 takes the model's max_position_embeddings."
@@ -201,10 +197,15 @@ class Settings(BaseSettings):
     )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
-        description="Where DTYPE=int8 writes its converted weights when the model folder is read-only.",
+        description="Where DTYPE=int8 or int4 writes its converted weights when the model folder is read-only.",
+    )
+    kernels_dir: str = Field(
+        str(Path.home() / ".cache" / "corechat" / "kernels"),
+        description="Where a worker builds corechat's C++ kernels when the virtualenv holds no build for this "
+        "CPU and cannot be written (`make setup` and deploy/install.sh build into the virtualenv).",
     )
 
-    @field_validator("converted_weights_dir")
+    @field_validator("converted_weights_dir", "kernels_dir")
     @classmethod
     def _expand_home(cls, value: str) -> str:
         """Expand `~`, as the example environment file writes the default."""
@@ -214,8 +215,8 @@ class Settings(BaseSettings):
     @classmethod
     def _check_dtype(cls, value: str) -> str:
         """Accept only dtypes the engine knows."""
-        if value not in ("bfloat16", "float32", "int8"):
-            raise ValueError("dtype must be bfloat16, float32 or int8")
+        if value not in ("bfloat16", "float32", "int8", "int4"):
+            raise ValueError("dtype must be int8, int4, bfloat16 or float32")
         return value
 
     @property

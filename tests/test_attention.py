@@ -1,4 +1,4 @@
-"""Grouped decode attention computes what SDPA computes, only faster for one query."""
+"""The engine's attention computes what SDPA computes: by rows (the kernel) or grouped (SDPA)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from transformers import DynamicCache, Qwen2Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from service.engine.attention import ATTENTION, grouped_decode_attention
+from service.engine.attention import ATTENTION, corechat_attention
 from service.engine.loading import load_model
 from support import anonymous_megabytes
 
@@ -40,7 +40,7 @@ def test_single_query_attention_equals_sdpa(module, mask_kind):
         if mask_kind == "additive":
             mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
-    got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=module.scaling)
+    got, _ = corechat_attention(module, query, key, value, mask, scaling=module.scaling)
     assert got.shape == expected.shape == (batch, 1, HEADS, DIM)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -68,5 +68,5 @@ def test_decoding_at_ever_new_context_lengths_does_not_grow_memory(module):
     before = anonymous_megabytes()
     for keys in range(500, 800):
         key = torch.randn(4, KV_HEADS, keys, DIM, dtype=torch.bfloat16)
-        grouped_decode_attention(module, query, key, key, None, scaling=module.scaling)
+        corechat_attention(module, query, key, key, None, scaling=module.scaling)
     assert anonymous_megabytes() - before < 30

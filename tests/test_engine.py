@@ -161,19 +161,6 @@ def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
         exact.stop()
 
 
-def test_int8_prompt_activations_are_part_of_the_fingerprint(make_settings, engine):
-    """Prompt passes with and without int8 activations round differently: their replies differ too."""
-    assert engine.settings.int8_prompt_activations
-    weight_only = Engine(make_settings(int8_prompt_activations=False, max_model_len=256))
-    weight_only.start()
-    try:
-        assert weight_only.wait_ready(60)
-        assert weight_only.fingerprint != engine.fingerprint
-        assert "activations" not in weight_only.facts["quantization"]
-    finally:
-        weight_only.stop()
-
-
 def test_stopping_the_engine_ends_queued_and_running_generations(make_settings):
     """Every request gets a last event when the engine stops, so no request thread waits forever."""
     engine = Engine(make_settings(max_running=1))

@@ -134,23 +134,49 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
         engine.stop()
 
 
-def test_int8_weights_are_converted_once_into_a_shared_file_and_generate(make_settings, tmp_path):
-    """DTYPE=int8 writes its converted file once, later engines map it again, and generation works."""
-    from service.engine.int8 import Int8Linear
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_weights_are_converted_once_into_a_versioned_shared_file_and_generate(make_settings, tmp_path, dtype):
+    """DTYPE=int8/int4 writes its converted file once (its name carries the format and its version),
+    later engines map it again, and generation works."""
+    from service.engine.quantized import FORMAT_VERSION, QuantizedLinear
 
-    first = started_engine(make_settings, dtype="int8", converted_weights_dir=str(tmp_path))
-    converted = first.facts["int8_weights"]
+    first = started_engine(make_settings, dtype=dtype, converted_weights_dir=str(tmp_path))
+    converted = first.facts["converted_weights"]
+    assert os.path.basename(converted).startswith(f"corechat-{dtype}-v{FORMAT_VERSION}-")
     written_at = os.stat(converted).st_mtime_ns
     first.stop()
-    engine = Engine(make_settings(dtype="int8", converted_weights_dir=str(tmp_path), max_model_len=1024))
+    engine = Engine(make_settings(dtype=dtype, converted_weights_dir=str(tmp_path), max_model_len=1024))
     engine.start()
     assert engine.wait_ready(120), engine.facts
     try:
-        assert engine.facts["int8_weights"] == converted
+        assert engine.facts["converted_weights"] == converted
         assert os.stat(converted).st_mtime_ns == written_at
-        assert isinstance(engine.model.lm_head, Int8Linear)
+        assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.model.lm_head.format.name == dtype
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
         assert finished.completion_tokens == 12 and finished.finish_reason == "length"
+    finally:
+        engine.stop()
+
+
+def test_a_converted_file_of_another_format_version_is_never_read(make_settings, tiny_model_dir, tmp_path):
+    """A file an older corechat wrote (same fingerprint, unversioned name, another layout) stays unread."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-*"))
+    engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
+    try:
+        fingerprint = os.path.basename(engine.facts["converted_weights"]).removesuffix(".safetensors").rsplit("-", 1)[1]
+    finally:
+        engine.stop()
+    for stale in model_dir.glob("corechat-*"):
+        stale.unlink()
+    (model_dir / f"corechat-int8-{fingerprint}.safetensors").write_bytes(b"not a safetensors file")
+    engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
+    try:
+        assert "-v" in os.path.basename(engine.facts["converted_weights"])
+        text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
+        assert finished.finish_reason == "length"
     finally:
         engine.stop()
 
@@ -160,7 +186,7 @@ def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_
     import shutil
 
     model_dir = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-int8-*"))
+    shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-*"))
     engines = [Engine(make_settings(model=str(model_dir), dtype="int8")) for _ in range(2)]
     threads = [threading.Thread(target=engine.start) for engine in engines]
     for thread in threads:
@@ -169,7 +195,7 @@ def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_
         thread.join(60)
     try:
         assert all(engine.wait_ready(120) for engine in engines)
-        converted = {engine.facts["int8_weights"] for engine in engines}
+        converted = {engine.facts["converted_weights"] for engine in engines}
         assert len(converted) == 1
         with open("/proc/self/maps") as maps:
             mappings = [line.split() for line in maps if str(model_dir) in line and "corechat-int8" in line]
@@ -178,37 +204,6 @@ def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_
     finally:
         for engine in engines:
             engine.stop()
-
-
-def test_int8_activation_product_serves_prompt_passes_only_whatever_their_rows():
-    """Inside a prompt pass every product rounds activations (1 row or 300), outside none does (1 or
-    300: a decode batch): the rounding of a token never depends on how its prompt was cut or what
-    else runs. The int8 x int8 product stays close to the weight-only one."""
-    import torch
-    from torch import nn
-
-    from service.engine.int8 import Int8Linear, Int8Mode, int8_matmul, prompt_pass, quantize_rows
-
-    generator = torch.Generator().manual_seed(0)
-    weight, scales = quantize_rows(torch.randn(4864, 896, generator=generator))
-    model = nn.Sequential(Int8Linear(weight, scales, bias=None, mode=Int8Mode(prompt_activations=True)))
-    model.int8_mode = model[0].mode
-    for rows in (1, 11, 300):
-        inputs = torch.randn(1, rows, 896, generator=generator).to(torch.bfloat16)
-        weight_only = torch._weight_int8pack_mm(inputs[0], weight, scales)
-        assert torch.equal(model(inputs)[0], weight_only)
-        with prompt_pass(model):
-            output = model(inputs)
-        assert output.shape == (1, rows, 4864) and output.dtype == torch.bfloat16
-        assert torch.equal(output[0], int8_matmul(inputs[0], weight, scales))
-        error = (output[0].float() - weight_only.float()).norm() / weight_only.float().norm()
-        assert error < 0.02, f"{rows} rows: relative error {error:.4f}"
-    model.int8_mode.prompt_activations = False
-    with prompt_pass(model):
-        assert torch.equal(model(inputs)[0], weight_only)
-    copy = inputs.clone()
-    int8_matmul(inputs[0], weight, scales)
-    assert torch.equal(inputs, copy), "the product must not change its input"
 
 
 def test_a_built_cache_holds_the_given_tensors_and_appending_leaves_them_unchanged(tiny_model_dir):

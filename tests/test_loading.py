@@ -92,3 +92,16 @@ def test_tokenizer_without_its_python_vocabulary_tokenizes_and_templates_the_sam
         messages, tokenize=False, add_generation_prompt=True)
     assert trimmed.get_vocab() == full.get_vocab()
     assert (trimmed.eos_token_id, len(trimmed)) == (full.eos_token_id, len(full))
+
+
+def test_models_loading_at_once_leave_the_default_dtype_alone(tiny_model_dir):
+    """transformers sets and restores the process's default dtype while building; two threads at
+    once used to leave bfloat16 behind for every later torch.randn in the process."""
+    import threading
+
+    threads = [threading.Thread(target=load_model, args=(tiny_model_dir, torch.bfloat16)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.get_default_dtype() == torch.float32

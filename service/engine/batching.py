@@ -58,8 +58,14 @@ class DecodeBatch:
         self.lengths, self.width = lengths, self.width - trim
 
     def step(self, model, token_ids: list[int]) -> torch.Tensor:
-        """Feed one token per row; return the next-token logits, one row per sequence."""
+        """Feed one token per row; return the next-token logits, one row per sequence.
+
+        Each row's first real column goes to the attention as `row_starts`, so the decode
+        attention kernel sums over that row's own keys only (attention.py); the mask stays for
+        the paths that fall back to SDPA.
+        """
         positions = torch.tensor(self.lengths).unsqueeze(1)
+        starts = torch.tensor([self.width - length for length in self.lengths])
         padded = len(self.lengths) > 1 and min(self.lengths) < self.width
         mask = None
         if padded:
@@ -72,6 +78,7 @@ class DecodeBatch:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            row_starts=starts,
         )
         self.lengths = [length + 1 for length in self.lengths]
         self.width += 1

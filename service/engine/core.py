@@ -21,16 +21,16 @@ from .loading import (
     return_freed_memory,
 )
 from .batching import DecodeBatch
-from .int8 import apply_int8, prompt_pass
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
+from .prepare import prepare_model
 from .sampling import Sampler, SamplingParams
 from .text import TextAssembler
 
 log = logging.getLogger(__name__)
 
-# int8 keeps bf16 for everything but the Linear weights (see int8.py).
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}
+# int8 and int4 keep bf16 for everything but the Linear weights (see quantized.py).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
 WARMUP_TOKENS = 8
 IDLE_POLL_SECONDS = 0.5
@@ -272,23 +272,14 @@ class Engine:
         began = time.monotonic()
         dtype = DTYPES[self.settings.dtype]
         self.model = load_model(self.model_dir, dtype)
-        # Counted before int8 turns the Linear weights into buffers, which parameters() skips.
+        # Counted before quantizing turns the Linear weights into buffers, which parameters() skips.
         parameters = sum(p.numel() for p in self.model.parameters())
         self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
-        # Replies differ between weight formats (and int8 activations or not): hosts serving
-        # different ones must not share cached replies, so the format is part of the fingerprint.
-        weight_format = self.settings.dtype
-        if self.settings.dtype == "int8":
-            prompt_activations = self.settings.int8_prompt_activations
-            converted = apply_int8(self.model, self.model_dir, Path(self.settings.converted_weights_dir),
-                                   files_fingerprint, prompt_activations)
-            quantization = "int8 weights per row"
-            if prompt_activations:
-                quantization += ", int8 activations per token in prompt passes"
-                weight_format += ":a8prompt"
-            self.facts.update(int8_weights=str(converted), quantization=quantization)
-            log.info("int8 weights mapped from %s", converted)
+        prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
+                                 Path(self.settings.kernels_dir), files_fingerprint)
+        weight_format = prepared.pop("weight_format")
+        self.facts.update(prepared)
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
@@ -557,7 +548,7 @@ class Engine:
         try:
             began = time.monotonic()
             chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
-            with torch.inference_mode(), prompt_pass(self.model):
+            with torch.inference_mode():
                 output = self.model(
                     input_ids=torch.tensor([chunk]),
                     cache=sequence.cache,

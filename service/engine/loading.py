@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ SAFETENSORS_DTYPES = {
 FINGERPRINT_STRIDE = 8 * 1024 * 1024
 FINGERPRINT_SAMPLE = 64 * 1024
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# transformers builds a model under a process-wide default dtype it sets and restores; two threads
+# building at once restore each other's setting and leave bfloat16 as the process's default.
+_BUILDING = threading.Lock()
 
 
 class ModelNotFound(RuntimeError):
@@ -118,7 +122,7 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load_model(model_dir: Path, dtype: torch.dtype):
     """Build the model without allocating weights, then point its parameters at the mapped files."""
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
+    with _BUILDING, torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     state = {}
     for path in safetensors_files(model_dir):

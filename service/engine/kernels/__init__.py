@@ -1,0 +1,180 @@
+"""corechat's C++ kernels (quantized products, decode attention), built from source for this CPU.
+
+The sources in csrc/ compile with the system's g++ against the installed torch into one shared
+library that registers torch.ops.corechat. A build is keyed by the sources, torch's version and
+the instruction sets this CPU has, so a virtualenv copied to another CPU builds again instead of
+dying on an illegal instruction. `make setup` and deploy/install.sh build into the virtualenv
+(`python -m service.engine.kernels`); a worker that finds no build for its CPU there builds one,
+into the virtualenv if it may write there, else into the fallback folder it is given.
+"""
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+LIBRARY_NAME = "libcorechat_kernels.so"
+COMPILER = "g++"
+COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall")
+BASELINE_SOURCES = ("reference.cpp",)
+
+
+@dataclass(frozen=True)
+class InstructionSet:
+    """A SIMD path: the /proc/cpuinfo flags it needs, how to compile for it, and its source."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    compiler_flags: tuple[str, ...]
+    source: str
+
+
+AVX2 = InstructionSet("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "avx2.cpp")
+AVX512_VNNI = InstructionSet(
+    "avx512_vnni",
+    AVX2.cpu_flags + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    AVX2.compiler_flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    "avx512_vnni.cpp",
+)
+INSTRUCTION_SETS = (AVX2, AVX512_VNNI)
+# Numbers of torch.ops.corechat.quantized_linear's `path` argument.
+PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3}
+
+class KernelBuildFailed(RuntimeError):
+    """The kernels could not be compiled or loaded on this machine."""
+
+
+def cpu_flags() -> set[str]:
+    """Return the instruction-set flags of this CPU (empty where /proc/cpuinfo has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def instruction_sets(flags: set[str]) -> list[InstructionSet]:
+    """Return the SIMD paths this CPU runs (none off x86-64: the reference path serves alone)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return [isa for isa in INSTRUCTION_SETS if set(isa.cpu_flags) <= flags]
+
+
+def build_key(sets: list[InstructionSet]) -> str:
+    """Hash what decides the library: its sources, torch, the paths compiled and their flags."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{COMMON_FLAGS}".encode())
+    for isa in sets:
+        digest.update(f"|{isa.name}:{isa.compiler_flags}".encode())
+    return digest.hexdigest()[:16]
+
+
+def virtualenv_dir() -> Path:
+    """Return where `make setup` and deploy/install.sh put builds: inside the virtualenv."""
+    return Path(sys.prefix) / "lib" / "corechat-kernels"
+
+
+def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list[list[str]], list[str]]:
+    """Return the compile command of each object file and the link command."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    best = sets[-1].compiler_flags if sets else ()
+    units = [(name, ()) for name in BASELINE_SOURCES]
+    units += [(isa.source, isa.compiler_flags) for isa in sets]
+    # Plain lane-wise C++ gives the same bits whatever it is vectorized for: build it for the best.
+    units.append(("attention.cpp", best))
+    defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    units.append(("ops.cpp", (abi, *defines, *includes)))
+    compiles, objects = [], []
+    for source, flags in units:
+        target = build_dir / (Path(source).stem + ".o")
+        compiles.append([COMPILER, *COMMON_FLAGS, *flags, "-c", str(SOURCE_DIR / source), "-o", str(target)])
+        objects.append(str(target))
+    library_dir = torch_dir / "lib"
+    link = [COMPILER, "-shared", *objects, "-o", str(build_dir / LIBRARY_NAME), f"-L{library_dir}", "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{library_dir}"]
+    return compiles, link
+
+
+def build(target: Path, sets: list[InstructionSet]) -> None:
+    """Compile the sources (in parallel) into target/LIBRARY_NAME, replacing it atomically."""
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as scratch:
+        scratch_dir = Path(scratch)
+        compiles, link = _compile_commands(scratch_dir, sets)
+        processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for command in compiles]
+        failures = []
+        for command, process in zip(compiles, processes, strict=True):
+            output = process.communicate()[0].decode(errors="replace")
+            if process.returncode != 0:
+                failures.append(f"{' '.join(command)}\n{output}")
+        if failures:
+            raise KernelBuildFailed("compiling corechat's kernels failed:\n" + "\n".join(failures))
+        result = subprocess.run(link, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildFailed(f"linking corechat's kernels failed:\n{' '.join(link)}\n{result.stdout}{result.stderr}")
+        os.replace(scratch_dir / LIBRARY_NAME, target / LIBRARY_NAME)
+
+
+def _writable(directory: Path) -> bool:
+    """Tell whether a folder exists writable or can be created."""
+    while not directory.exists():
+        directory = directory.parent
+    return os.access(directory, os.W_OK)
+
+
+def ensure_built(fallback_dir: Path | None = None) -> Path:
+    """Return this CPU's library, building it first if no candidate folder holds it."""
+    sets = instruction_sets(cpu_flags())
+    key = build_key(sets)
+    candidates = [virtualenv_dir() / key] + ([Path(fallback_dir).expanduser() / key] if fallback_dir else [])
+    for directory in candidates:
+        if (directory / LIBRARY_NAME).is_file():
+            return directory / LIBRARY_NAME
+    writable = [directory for directory in candidates if _writable(directory.parent)]
+    if not writable:
+        raise KernelBuildFailed(f"no build of corechat's kernels for this CPU in {candidates} and none of them "
+                                "is writable; run `python -m service.engine.kernels` as their owner")
+    directory = writable[0]
+    directory.mkdir(parents=True, exist_ok=True)
+    # Workers start together: one builds while the others wait for its library.
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (directory / LIBRARY_NAME).is_file():
+            began = time.monotonic()
+            log.info("building corechat's kernels for %s into %s", [isa.name for isa in sets] or ["reference"], directory)
+            build(directory, sets)
+            log.info("kernels built in %.1f s", time.monotonic() - began)
+    return directory / LIBRARY_NAME
+
+
+@functools.cache
+def load(fallback_dir: Path | None = None) -> Path:
+    """Build if needed and load the kernels into torch.ops.corechat (once per process); return the library."""
+    library = ensure_built(fallback_dir)
+    torch.ops.load_library(str(library))
+    return library
+
+
+def available_paths() -> list[str]:
+    """Return the kernel paths the loaded library runs on this CPU, best last."""
+    return list(torch.ops.corechat.paths())

@@ -1,0 +1,218 @@
+"""Quantized weights (DTYPE=int8 or int4), converted once into one file beside the model.
+
+Every Linear of the decoder layers and the output layer is stored quantized; the rest (embedding,
+norms, biases) stays bfloat16. The converted file is memory-mapped like the model's own, so every
+worker reads the same page-cache pages, and it holds exactly the layout the kernels read: nothing
+is repacked per worker.
+  int8: int8 weights, one float32 scale per output row (8 bits per weight).
+  int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups sharing each
+        byte's nibbles (about 4.5 bits per weight).
+Rows are stored in 32-byte units, those of each 4 rows side by side, so a kernel tile streams one
+sequential run of memory (kernels/csrc/kernels.h has the layout).
+All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
+activations are rounded to int8 in blocks of 32 and each output is summed in one fixed order, so a
+token's result depends neither on the other rows of its batch nor on how its prompt was cut.
+"""
+
+import fcntl
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .loading import map_safetensors, safetensors_files
+
+log = logging.getLogger(__name__)
+
+# Part of the converted file's name: bump it whenever what a format writes changes, so a file
+# written by another version is never read as this one's.
+FORMAT_VERSION = 3
+GROUP = 32
+# Rows whose 32-byte units the converted file puts side by side (kernels.h: kInterleave, kUnitBytes).
+INTERLEAVE = 4
+UNIT_BYTES = 32
+WEIGHT_SUFFIX = ".qweight"
+SCALE_SUFFIX = ".qscale"
+OUTPUT_LAYER = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A quantized weight format: its kernel code, what it says of itself, and its input-width rule."""
+
+    name: str
+    code: int
+    description: str
+    width_multiple: int
+
+
+INT8 = WeightFormat("int8", 0, "int8 weights with a float32 scale per row", GROUP)
+INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", 2 * GROUP)
+FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
+ACTIVATIONS = "activations rounded to int8 per block of 32"
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored quantized; the output layer returns float32 logits."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
+                 out_features: int, float32_output: bool):
+        super().__init__()
+        self.register_buffer("qweight", weight, persistent=False)
+        self.register_buffer("qscale", scales, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.format = fmt
+        self.float32_output = float32_output
+        self.out_features = out_features
+        self.in_features = weight.shape[1] * (2 if fmt is INT4 else 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Multiply by the quantized weight (activations rounded per block of 32 inside the kernel)."""
+        flat = inputs.reshape(-1, self.in_features).contiguous()
+        output = torch.ops.corechat.quantized_linear(flat, self.qweight, self.qscale, self.bias, self.format.code,
+                                                     self.out_features, self.float32_output)
+        return output.reshape(*inputs.shape[:-1], self.out_features)
+
+
+def padded_rows(outputs: int) -> int:
+    """Return the rows stored for a matrix: a multiple of INTERLEAVE."""
+    return -(-outputs // INTERLEAVE) * INTERLEAVE
+
+
+def interleave(rows: torch.Tensor) -> torch.Tensor:
+    """Pad a matrix of per-row bytes with zero rows to a multiple of INTERLEAVE and put unit u of
+    each group of INTERLEAVE rows side by side, the order the kernel streams (kernels.h)."""
+    outputs, width = rows.shape
+    padded = torch.zeros(padded_rows(outputs), width, dtype=rows.dtype)
+    padded[:outputs] = rows
+    units = padded.reshape(-1, INTERLEAVE, width // UNIT_BYTES, UNIT_BYTES).transpose(1, 2)
+    return units.reshape(-1, width).contiguous()
+
+
+def deinterleave(stored: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Undo interleave: the first `outputs` rows, each row's bytes in order."""
+    width = stored.shape[1]
+    units = stored.reshape(-1, width // UNIT_BYTES, INTERLEAVE, UNIT_BYTES).transpose(1, 2)
+    return units.reshape(-1, width)[:outputs]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix symmetrically per output row: int8 rows (-127..127) and float32 scales,
+    interleaved and padded as the kernel reads them."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    rows = torch.round(weight / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    padded_scales = torch.zeros(padded_rows(weight.shape[0]), dtype=torch.float32)
+    padded_scales[: weight.shape[0]] = scales
+    return interleave(rows), padded_scales
+
+
+def padded_groups(inputs: int) -> int:
+    """Return the int4 scales stored per row: one per group, padded with zeros to a multiple of 8."""
+    return (inputs // GROUP + 7) // 8 * 8
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
+
+    The group's largest-magnitude weight maps to -8 exactly (as llama.cpp's q4_0 does), so all 16
+    levels are used; the rounding uses the float16 scale that is stored. Each row's scales are
+    padded with zeros to a multiple of 8, which the kernel reads 8 at a time.
+    """
+    outputs, inputs = weight.shape
+    if inputs % INT4.width_multiple:
+        raise ValueError(f"int4 needs input widths that are multiples of {INT4.width_multiple}, not {inputs}")
+    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
+    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    scales = (extreme / -8).to(torch.float16)
+    stored = scales.float()
+    safe = torch.where(stored != 0, stored, torch.ones_like(stored))
+    levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
+    levels = torch.where(stored[:, :, None] != 0, levels, torch.zeros_like(levels))
+    nibbles = (levels + 8).to(torch.uint8).reshape(outputs, inputs // (2 * GROUP), 2, GROUP)
+    packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
+    padded = torch.zeros(padded_rows(outputs), padded_groups(inputs), dtype=torch.float16)
+    padded[:outputs, : inputs // GROUP] = scales
+    return interleave(packed.reshape(outputs, inputs // 2)), padded
+
+
+def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for."""
+    rows = deinterleave(weight, outputs)
+    if fmt is INT8:
+        return rows.float() * scales[:outputs, None]
+    groups = rows.shape[1] * 2 // GROUP
+    pairs = rows.reshape(outputs, -1, 1, GROUP)
+    nibbles = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).float() - 8
+    return (nibbles.reshape(outputs, groups, GROUP) * scales[:outputs, :groups].float()[:, :, None]).reshape(outputs, -1)
+
+
+QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}
+
+
+def quantized_weight_names(model) -> dict[str, str]:
+    """Map each quantized Linear's module name to the checkpoint name of its weight."""
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith("model.layers."):
+            names[name] = f"{name}.weight"
+    names["lm_head"] = OUTPUT_LAYER
+    return names
+
+
+def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
+    """Return where a model's converted weights live: beside it, or in the converted folder if it is read-only."""
+    beside = model_dir / f"corechat-{fmt.name}-v{FORMAT_VERSION}-{fingerprint}.safetensors"
+    if beside.is_file() or os.access(model_dir, os.W_OK):
+        return beside
+    return converted_dir / beside.name
+
+
+def convert(fmt: WeightFormat, model_dir: Path, model, target: Path) -> None:
+    """Write the quantized weights and scales of every Linear (the output layer included) to one file."""
+    state = {}
+    for path in safetensors_files(model_dir):
+        state.update(map_safetensors(path))
+    tensors = {}
+    for weight_name in quantized_weight_names(model).values():
+        source = state.get(weight_name)
+        if source is None and weight_name == OUTPUT_LAYER:
+            source = state[EMBEDDING]  # tied output layer
+        if source.shape[1] % fmt.width_multiple:
+            raise ValueError(f"{fmt.name} needs Linear input widths that are multiples of {fmt.width_multiple}; "
+                             f"{weight_name} has {source.shape[1]}")
+        tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[fmt.name](source)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(temporary), metadata={"format": fmt.name, "version": str(FORMAT_VERSION)})
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, target)
+
+
+def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
+    """Swap every Linear of a loaded bf16 model for a QuantizedLinear over the mapped converted file (kernels loaded)."""
+    target = converted_file_for(fmt, model_dir, converted_dir, fingerprint)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Workers start together: one converts while the others wait, then all map the same file.
+    # Each converting on its own and renaming over the other's would leave workers mapping
+    # different inodes, and so holding one copy each instead of sharing one.
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            log.info("converting the weights to %s once, into %s", fmt.name, target)
+            convert(fmt, model_dir, model, target)
+    tensors = map_safetensors(target)
+    for module_name, weight_name in quantized_weight_names(model).items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        # Biases are small: a private float32 copy lets the kernel add them before its one rounding.
+        bias = old.bias.detach().float() if old.bias is not None else None
+        setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
+                                               bias, fmt, old.out_features, float32_output=module_name == "lm_head"))
+    return target

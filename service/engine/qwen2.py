@@ -1,0 +1,93 @@
+"""A lean forward for Qwen2-family models: transformers' operations, without its module machinery.
+
+A decode step of the 0.5B model spent about a quarter of its time in Python outside any operator
+(transformers' module calls, decorators, keyword plumbing, mask building; bench/step_probe.py).
+This forward runs the same operations in the same order on the same tensors, so its logits are
+transformers' bits, and calls the products and the attention kernel directly. It serves the
+engine's two kinds of call: a prompt chunk of one sequence, and a decode step of one token per
+row with `row_starts`; anything else (a batch of padded prompts) goes to transformers' forward.
+It keeps transformers' DynamicCache, so the prefix store and the batch joins work unchanged.
+"""
+
+import types
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .attention import attention_by_rows
+from .quantized import QuantizedLinear
+
+ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+def install(model) -> bool:
+    """Give a bf16 Qwen2-family model the lean forward; return whether it got it."""
+    config = model.config
+    if (type(model).__name__ not in ARCHITECTURES or model.dtype != torch.bfloat16
+            or getattr(config, "use_sliding_window", False) or config.hidden_act != "silu"
+            or not hasattr(torch.ops.corechat, "attention")):
+        return False
+    model.forward = types.MethodType(lean_forward, model)
+    return True
+
+
+def rms_norm(hidden: torch.Tensor, norm) -> torch.Tensor:
+    """Qwen2RMSNorm's operations."""
+    widened = hidden.to(torch.float32)
+    variance = widened.pow(2).mean(-1, keepdim=True)
+    widened = widened * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * widened.to(hidden.dtype)
+
+
+def product(linear, inputs: torch.Tensor) -> torch.Tensor:
+    """Apply a Linear or QuantizedLinear without a module call."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.forward(inputs)
+    return F.linear(inputs, linear.weight, linear.bias)
+
+
+def rotate_half(states: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half."""
+    half = states.shape[-1] // 2
+    return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+
+
+def lean_forward(model, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=True,
+                 logits_to_keep=0, row_starts=None, **kwargs):
+    """Run Qwen2ForCausalLM.forward's operations for one prompt chunk or one decode step of a batch."""
+    batch, length = input_ids.shape
+    # The attention kernel's calls (attention.kernel_applies): one sequence, or single tokens with starts.
+    by_rows = batch == 1 or (length == 1 and row_starts is not None)
+    if cache is None or not use_cache or kwargs or not by_rows:
+        return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                                   row_starts=row_starts, **kwargs)
+    inner = model.model
+    if position_ids is None:
+        past = cache.get_seq_length()
+        position_ids = torch.arange(past, past + length).unsqueeze(0)
+    hidden = F.embedding(input_ids, inner.embed_tokens.weight)
+    cos, sin = inner.rotary_emb(hidden, position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    head_dim = inner.layers[0].self_attn.head_dim
+    for index, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
+        attention = layer.self_attn
+        residual = hidden
+        states = rms_norm(hidden, layer.input_layernorm)
+        shape = (batch, length, -1, head_dim)
+        query = product(attention.q_proj, states).view(shape).transpose(1, 2)
+        key = product(attention.k_proj, states).view(shape).transpose(1, 2)
+        value = product(attention.v_proj, states).view(shape).transpose(1, 2)
+        query = (query * cos) + (rotate_half(query) * sin)
+        key = (key * cos) + (rotate_half(key) * sin)
+        keys, values = cache.update(key, value, index)
+        attended = attention_by_rows(query, keys, values, attention.scaling, row_starts)
+        hidden = residual + product(attention.o_proj, attended.reshape(batch, length, -1).contiguous())
+        residual = hidden
+        states = rms_norm(hidden, layer.post_attention_layernorm)
+        mlp = layer.mlp
+        hidden = residual + product(mlp.down_proj, F.silu(product(mlp.gate_proj, states)) * product(mlp.up_proj, states))
+    hidden = rms_norm(hidden, inner.norm)
+    kept = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
+    return CausalLMOutputWithPast(logits=product(model.lm_head, kept), cache=cache)
