@@ -1,4 +1,4 @@
-"""corechat's benchmark: `python bench/run.py` (see README, Performance), and its probes."""
+"""corechat's benchmark: `python bench/run.py` (see docs/performance.md), and its probes."""
 
 import json
 from pathlib import Path

@@ -524,7 +524,7 @@ def add_ratios(results: dict) -> None:
 
 
 def render_markdown(name: str, results: dict) -> str:
-    """Render the results as the Markdown table the README quotes."""
+    """Render the results as the Markdown table docs/performance.md quotes."""
     base, bound, ratios = results["baseline"], results["bound"], results["ratios"]
     s1, s2, s4 = results["scenario_1_short_prompt"], results["scenario_2_system_prompt"], results["scenario_4_cache_hit"]
     s5, s6 = results["scenario_5_memory"], results["scenario_6_cold_start"]

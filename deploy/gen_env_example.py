@@ -1,8 +1,8 @@
 """Write deploy/corechat.env.example from the Settings class: every setting, its default, its description.
 
 Run `python deploy/gen_env_example.py > deploy/corechat.env.example` after adding a setting; a test
-checks that the committed file is what this prints. With `--markdown` it prints the configuration
-table of the README instead (between its `<!-- settings -->` markers, also checked by a test).
+checks that the committed file is what this prints. With `--markdown` it prints the settings table
+of docs/configuration.md instead (between its `<!-- settings -->` markers, also checked by a test).
 """
 
 import sys
@@ -55,7 +55,7 @@ def render_env_example() -> str:
 
 
 def render_markdown_table() -> str:
-    """Return the README's table of every setting: variable, default, meaning."""
+    """Return docs/configuration.md's table of every setting: variable, default, meaning."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         default = render_value(field.default) or "(empty)"

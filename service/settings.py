@@ -83,13 +83,13 @@ class Settings(BaseSettings):
     )
     max_running: int = Field(
         8, ge=1, description="Sequences a worker's engine decodes together in one batched forward per token; "
-        "8 absorbs the uneven way the kernel hands connections to workers (see README, Performance)."
+        "a higher value absorbs the uneven way the kernel hands connections to workers (docs/performance.md)."
     )
     prefill_chunk_tokens: int = Field(
         128, ge=16, description="Prompt tokens a worker processes between two decode steps of its running "
-        "streams: a long prompt arriving delays their next token by about this much work (a 512-token "
-        "prompt stalled them 0.33 s at 128, 0.54 s at 256) and is processed in chunks of this size "
-        "(9% slower than 256 when cold; see README, Performance)."
+        "streams, so a long prompt arriving delays their next token by about this much work; smaller chunks "
+        "keep the streams smoother and make a cold prompt's own first token a little later "
+        "(docs/performance.md)."
     )
     kv_cache_mb: int = Field(
         1024, ge=1, description="Memory per worker for the KV state of running sequences. A request starts "
