@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -219,6 +220,12 @@ def safetensors_header(path: Path) -> dict:
 def element_counts_of(model_dir: Path) -> dict[str, int]:
     """Return the number of elements of every tensor of the model."""
     return {name: math.prod(info["shape"]) for name, info in safetensors_header(model_dir / "model.safetensors").items()}
+
+
+def converted_weights_path(server_log: str) -> Path | None:
+    """Return the converted weights file the workers logged mapping (kept out of /readyz), if any."""
+    found = re.search(r"weights mapped from (\S+)", server_log)
+    return Path(found.group(1)) if found else None
 
 
 def served_weight_bytes(model_dir: Path, dtype: str, converted: Path | None) -> int:
@@ -484,8 +491,8 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
                 progress("scenario 5: memory of all processes")
                 memory = memory_of(processes_of(server))
                 workers_facts = list(ready_facts(server).values())
-                converted = workers_facts[0].get("converted_weights")  # the file the workers map
-                served = served_weight_bytes(plan.model_dir, dtype, Path(converted) if converted else None)
+                converted = converted_weights_path(server.log_path.read_text(errors="replace"))  # the file the workers map
+                served = served_weight_bytes(plan.model_dir, dtype, converted)
                 kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
                                                 "pss_to_weights_and_kv": memory["pss"] / (served + kv_bytes)}

@@ -18,7 +18,7 @@ bp = Blueprint("api", __name__)
 # What /readyz tells a caller without a key; and what it never tells anyone (exception text and file
 # paths, which go to the log).
 PUBLIC_READINESS = ("status", "worker_pid", "running", "waiting", "requests_finished")
-PRIVATE_FACTS = ("error", "int8_weights")
+PRIVATE_FACTS = ("error", "converted_weights")
 
 
 def read_json_body():

@@ -279,7 +279,8 @@ class CorechatWorker(ThreadWorker):
             503,
             f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
             "overloaded",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            # Every chat response says whether the cache served it: this one never reached it.
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": "bypass"},
         )
 
     def finish_request(self, conn, fs):

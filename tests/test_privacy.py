@@ -90,7 +90,7 @@ def test_readiness_without_a_key_tells_status_and_counts_only(keyed):
     assert set(anonymous) == {"status", "worker_pid", "running", "waiting", "requests_finished"}
     detailed = requests.get(f"{keyed.url}/readyz", headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=10).json()
     assert detailed["model"] == "tiny" and detailed["dtype"] == "int8" and detailed["status"] == "ready"
-    assert "int8_weights" not in detailed and "error" not in detailed
+    assert "converted_weights" not in detailed and "error" not in detailed
     assert "int8 weights mapped from" in keyed.log()  # where the file's path went
 
 

@@ -280,6 +280,8 @@ class Engine:
                                  Path(self.settings.kernels_dir), files_fingerprint)
         weight_format = prepared.pop("weight_format")
         self.facts.update(prepared)
+        if "converted_weights" in prepared:
+            log.info("%s weights mapped from %s", self.settings.dtype, prepared["converted_weights"])
         self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
