@@ -309,7 +309,7 @@ def pieces_of(generation) -> tuple[list[TextDelta], Finished]:
 
 
 def test_a_seeded_reply_continued_from_its_first_tokens_goes_on_as_the_original(exact_engine):
-    prompt_ids = exact_engine.encode(engine.render_prompt(PROMPT))
+    prompt_ids = exact_engine.encode(exact_engine.render_prompt(PROMPT))
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
     original, finished = pieces_of(exact_engine.submit(prompt_ids, params))
     assert finished.finish_reason == "length" and len(original) > 8
