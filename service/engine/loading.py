@@ -1,7 +1,5 @@
 """Find, load and fingerprint a Hugging Face causal LM so that workers share its weights."""
 
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import logging
@@ -171,15 +169,3 @@ def model_fingerprint(model_dir: Path, tokenizer) -> str:
             digest.update((model_dir / name).read_bytes())
     digest.update(str(tokenizer.chat_template).encode())
     return digest.hexdigest()[:16]
-
-
-def return_freed_memory() -> None:
-    """Hand memory freed after loading back to the kernel (glibc keeps it otherwise).
-
-    Building the tokenizer parses an 18 MB JSON into Python objects that are dropped again; without
-    this, each worker keeps about 70 MB of that garbage resident.
-    """
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)

@@ -1,4 +1,8 @@
-"""What a worker's KV state may grow to: the token budget, and what running sequences reserve of it."""
+"""What bounds a worker's memory: the KV token budget, and giving back what glibc keeps freed."""
+
+import ctypes
+import ctypes.util
+from functools import lru_cache
 
 import torch
 
@@ -30,3 +34,18 @@ def reserved_kv_tokens(generations) -> int:
     sequence will: rows times the largest prompt plus max_tokens.
     """
     return len(generations) * max((most_tokens(generation) for generation in generations), default=0)
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    """Return glibc, or None where the C library is another (musl, macOS) without malloc_trim."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+def return_freed_memory() -> None:
+    """Hand memory that glibc holds freed, in every arena, back to the kernel."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
