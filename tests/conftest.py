@@ -53,9 +53,9 @@ def client(app):
     return app.test_client()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gunicorn_server(tiny_model_dir, tmp_path_factory):
-    """Run corechat under real Gunicorn with 2 workers on the tiny model, for one test module."""
+    """Run corechat under real Gunicorn with 2 workers on the tiny model, shared by the test session."""
     from support import GunicornServer
 
     with GunicornServer(
@@ -68,7 +68,7 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_server(tiny_model_dir, tmp_path_factory):
     """Run Gunicorn as `make serve` does (2 workers, every setting at its default) on the tiny model."""
     from support import GunicornServer
@@ -77,7 +77,7 @@ def default_server(tiny_model_dir, tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def keyed_server(tiny_model_dir, tmp_path_factory):
     """Run Gunicorn with 1 worker that needs TEST_API_KEY and takes one running and one waiting request.
 

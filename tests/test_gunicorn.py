@@ -129,8 +129,8 @@ def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
 
 
 @pytest.mark.parametrize("unset", [True, False], ids=["unset", "empty"])
-def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path, monkeypatch, unset):
-    """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it; a chosen folder stays.
+def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset):
+    """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it.
     Empty (the example environment file's commented default, uncommented) means the default too."""
     import tempfile
 
@@ -140,12 +140,18 @@ def test_master_removes_its_default_metrics_folder_but_not_a_chosen_one(tmp_path
         monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     else:
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
-    with GunicornServer(tmp_path, workers=1) as server:
+    with GunicornServer(tmp_path, workers=1, warmup=False) as server:
         default = Path(tempfile.gettempdir()) / f"corechat-metrics-{server.process.pid}"
         assert default.is_dir()
     assert not default.exists()
+
+
+def test_master_keeps_a_chosen_metrics_folder(tmp_path):
+    """A folder the operator chose outlives the master."""
+    from support import GunicornServer
+
     chosen = tmp_path / "metrics"
-    with GunicornServer(tmp_path, workers=1, prometheus_multiproc_dir=chosen):
+    with GunicornServer(tmp_path, workers=1, warmup=False, prometheus_multiproc_dir=chosen):
         assert chosen.is_dir()
     assert chosen.is_dir()
 
