@@ -9,7 +9,7 @@ from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
 from .limits import read_request_body
-from .metrics import observe
+from .observed import observe
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 

@@ -124,15 +124,6 @@ def count_singleflight_follower() -> None:
     singleflight_followers_total.inc()
 
 
-def observe(source):
-    """Wrap a generation (or any event source) so its events feed the request metrics."""
-    # Imported here: the engine's event types import torch, which the master loads only when preloading.
-    from .observed import ObservedGeneration
-
-    g.corechat_observed = True
-    return ObservedGeneration(source, arrived_at=g.get("corechat_arrived_at", time.monotonic()))
-
-
 def report_ready(engine, settings) -> None:
     """Publish this worker's readiness and what its engine measured while loading."""
     facts = engine.facts

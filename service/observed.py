@@ -8,6 +8,8 @@ import logging
 import threading
 import time
 
+from flask import g
+
 from . import metrics
 from .engine import Failed, Finished, Started, TextDelta, events_until_last
 
@@ -119,3 +121,9 @@ class ObservedGeneration:
             (metrics.requests_running if self.started else metrics.requests_waiting).dec()
         metrics.request_duration_seconds.observe(time.monotonic() - self.arrived_at)
         metrics.requests_total.labels(outcome).inc()
+
+
+def observe(source):
+    """Wrap a generation (or any event source) so its events feed the request metrics."""
+    g.corechat_observed = True
+    return ObservedGeneration(source, arrived_at=g.get("corechat_arrived_at", time.monotonic()))
