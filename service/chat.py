@@ -14,15 +14,19 @@ from .engine import (
     EngineUnavailable,
     Failed,
     Finished,
+    GrammarRefused,
     SamplingParams,
     Started,
     TemplateRefused,
     TextDelta,
+    json_schema_grammar,
+    tool_call_grammar,
 )
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
+from .toolcalls import ToolCallParser, merge_deltas
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,10 @@ class PreparedChat:
     params: SamplingParams
     completion_id: str
     created: int
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
+        return ToolCallParser() if self.request.tools_offered else None
 
 
 class ChatCompletions:
@@ -70,8 +78,13 @@ class ChatCompletions:
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] for message in messages))
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
+        if tools and not self.engine.template_supports_tools:
+            raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
+                                 param="tools")
+        grammar = self._grammar(request)
         try:
-            prompt_ids = self.engine.encode_chat(messages)
+            prompt_ids = self.engine.encode_chat(messages, tools)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
@@ -82,6 +95,23 @@ class ChatCompletions:
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
         )
+
+    @staticmethod
+    def _grammar(request: ChatCompletionRequest) -> str | None:
+        """Return the grammar the reply must follow (a forced tool call, or response_format), or None."""
+        if request.forced_tools:
+            functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
+            try:
+                return tool_call_grammar(functions, parallel=request.parallel_tool_calls is not False)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
+        if request.json_schema is not None:
+            try:
+                return json_schema_grammar(request.json_schema)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'response_format': the schema cannot be enforced: {exc}",
+                                     param="response_format") from None
+        return None
 
     def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
@@ -180,6 +210,7 @@ class ChatCompletions:
 
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
+        parser = prepared.tool_call_parser()
         try:
             yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
             while True:
@@ -187,12 +218,15 @@ class ChatCompletions:
                 if event is None:
                     yield PING
                 elif isinstance(event, TextDelta):
-                    yield sse_data(self._chunk(prepared, {"content": event.text}))
+                    for delta in self._deltas(parser, event.text):
+                        yield sse_data(self._chunk(prepared, delta))
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body())
                         break
-                    yield sse_data(self._chunk(prepared, {}, event.finish_reason))
+                    for delta in self._deltas(parser, None):
+                        yield sse_data(self._chunk(prepared, delta))
+                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
                         usage_chunk.update(choices=[], usage=self._usage(event))
@@ -204,6 +238,21 @@ class ChatCompletions:
             yield DONE
         finally:
             source.cancel()
+
+    @staticmethod
+    def _deltas(parser: ToolCallParser | None, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out."""
+        if parser is None:
+            return [{"content": text}] if text else []
+        content, calls = parser.feed(text) if text is not None else parser.finish()
+        return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
+
+    @staticmethod
+    def _finish_reason(finished: Finished, parser: ToolCallParser | None) -> str:
+        """Return OpenAI's finish reason: `tool_calls` when a reply that ended by itself called tools."""
+        if parser is not None and parser.calls and finished.finish_reason == "stop":
+            return "tool_calls"
+        return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source) -> dict:
         """Wait for the whole reply and return a chat.completion object."""
@@ -222,6 +271,15 @@ class ChatCompletions:
             source.cancel()
         if finished.finish_reason == "cancelled":
             raise interrupted()
+        message = {"role": "assistant", "content": "".join(pieces)}
+        parser = prepared.tool_call_parser()
+        if parser is not None:
+            content, deltas = parser.feed(message["content"])
+            rest, last_deltas = parser.finish()
+            calls = merge_deltas(deltas + last_deltas)
+            message["content"] = content + rest
+            if calls:
+                message.update(content=message["content"] or None, tool_calls=calls)
         return {
             "id": prepared.completion_id,
             "object": "chat.completion",
@@ -231,9 +289,9 @@ class ChatCompletions:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": finished.finish_reason,
+                    "finish_reason": self._finish_reason(finished, parser),
                 }
             ],
             "usage": self._usage(finished),

@@ -12,6 +12,7 @@ from .core import (
     TextDelta,
     events_until_last,
 )
+from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
 
@@ -22,10 +23,13 @@ __all__ = [
     "Failed",
     "Finished",
     "Generation",
+    "GrammarRefused",
     "ModelNotFound",
     "SamplingParams",
     "Started",
     "TemplateRefused",
     "TextDelta",
     "events_until_last",
+    "json_schema_grammar",
+    "tool_call_grammar",
 ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
 from transformers import AutoConfig, DynamicCache
 
 from .loading import (
@@ -21,6 +21,7 @@ from .loading import (
     return_freed_memory,
 )
 from .batching import DecodeBatch
+from .grammar import Grammars
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .prepare import prepare_model
@@ -173,6 +174,7 @@ class Engine:
         self.model_dir = None
         self.fingerprint = ""
         self.generation_defaults = None
+        self.grammars: Grammars | None = None
         self.context_length = 0
         # Cache tokens (padding included) this worker's running sequences may reach together.
         self.kv_token_budget = 0
@@ -209,7 +211,9 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
-        bytes_per_token = kv_bytes_per_token(AutoConfig.from_pretrained(self.model_dir), DTYPES[self.settings.dtype])
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.grammars = Grammars(self.tokenizer, config.vocab_size, sorted(self._eos_ids))
+        bytes_per_token = kv_bytes_per_token(config, DTYPES[self.settings.dtype])
         self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
         self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
         self.facts["state"] = "loading"
@@ -327,7 +331,15 @@ class Engine:
 
     # Text ----------------------------------------------------------------------------------
 
-    def render_prompt(self, messages: list[dict]) -> str:
+    @property
+    def template_supports_tools(self) -> bool:
+        """Tell whether the chat template renders a `tools` list (a template that never reads it would drop them)."""
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str):
+            return False
+        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Render a conversation through the model's chat template, ready for the reply.
 
         Raise TemplateRefused when the template rejects the conversation: many templates call
@@ -336,7 +348,7 @@ class Engine:
         the request's, and raises as it is.
         """
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
         except TemplateSyntaxError:
             raise
         except TemplateError as exc:
@@ -346,17 +358,17 @@ class Engine:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render a conversation for the reply and tokenize it, message text as ordinary text.
 
         Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
         cannot open a turn of its own; TRUST_CONTROL_TOKENS_IN_MESSAGES parses them as the template would.
         """
         if self.settings.trust_control_tokens_in_messages:
-            return self.encode(self.render_prompt(messages))
+            return self.encode(self.render_prompt(messages, tools))
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
             )
         except TemplateSyntaxError:
             raise
