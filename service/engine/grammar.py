@@ -152,11 +152,20 @@ def mask_logits(logits: torch.Tensor, matchers: list[LLMatcher | None]) -> None:
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return
-    bitmask = numpy.empty((len(rows), (logits.shape[-1] + 31) // 32), dtype=numpy.int32)
+    vocab_size = logits.shape[-1]
+    bitmask = numpy.empty((len(rows), (vocab_size + 31) // 32), dtype=numpy.int32)
     for slot, row in enumerate(rows):
         view = bitmask[slot]
         matchers[row].unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
-    allowed = numpy.unpackbits(bitmask.view(numpy.uint8), axis=1, count=logits.shape[-1], bitorder="little")
-    forbidden = torch.from_numpy(allowed.view(numpy.bool_)).logical_not_()
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+    allowed = numpy.unpackbits(bitmask.view(numpy.uint8), axis=1, count=vocab_size, bitorder="little").view(numpy.bool_)
+    # A mask is nearly all one way (a few structural tokens, or all but a few inside a string), so
+    # writing the few by index costs far less than a masked write over the whole vocabulary.
+    for slot, row in enumerate(rows):
+        allowed_ids = numpy.flatnonzero(allowed[slot])
+        if len(allowed_ids) * 2 < vocab_size:
+            allowed_ids = torch.from_numpy(allowed_ids)
+            kept = logits[row, allowed_ids]
+            logits[row].fill_(float("-inf"))
+            logits[row, allowed_ids] = kept
+        else:
+            logits[row, torch.from_numpy(numpy.flatnonzero(~allowed[slot]))] = float("-inf")
