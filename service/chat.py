@@ -91,7 +91,7 @@ class ChatCompletions:
         return PreparedChat(
             request=request,
             prompt_ids=prompt_ids,
-            params=self._sampling_params(request, len(prompt_ids)),
+            params=self._sampling_params(request, len(prompt_ids), grammar),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
         )
@@ -113,7 +113,7 @@ class ChatCompletions:
                                      param="response_format") from None
         return None
 
-    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
         limit, limit_name = self._token_limit()
         room = limit - prompt_tokens
@@ -147,7 +147,19 @@ class ChatCompletions:
             stop=request.stop_strings,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=self._repetition_penalty(request),
+            grammar=grammar,
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
         )
+
+    def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
+        """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
+        transformers and vLLM apply it), else 1 (none)."""
+        if request.repetition_penalty is not None:
+            return request.repetition_penalty
+        configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
+        return float(configured) if configured is not None else 1.0
 
     def _token_limit(self) -> tuple[int, str]:
         """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.

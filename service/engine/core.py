@@ -21,7 +21,7 @@ from .loading import (
     return_freed_memory,
 )
 from .batching import DecodeBatch
-from .grammar import Grammars
+from .grammar import Grammars, mask_logits
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .prepare import prepare_model
@@ -107,10 +107,12 @@ class Generation:
     with the prompt, count as completion tokens, and their text is not sent again.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = (), grammar=None):
         self.prompt_ids = prompt_ids
         self.params = params
         self.forced_ids = tuple(forced_ids)
+        # The llguidance matcher of params.grammar, advanced by each token of the reply.
+        self.grammar = grammar
         self.submitted_at = time.monotonic()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cancelled = threading.Event()
@@ -391,7 +393,9 @@ class Engine:
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
-        generation = Generation(prompt_ids, params, forced_ids)
+        # Made here, in the request's thread: the first grammar waits for the vocabulary view, the engine must not.
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        generation = Generation(prompt_ids, params, forced_ids, grammar)
         if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
             raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
         full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
@@ -537,6 +541,8 @@ class Engine:
         for token_id in forced_ids:
             sequence.sampler.record(token_id)
             sequence.text.add(token_id)
+            if sequence.generation.grammar is not None:
+                sequence.generation.grammar.consume_token(token_id)
         sequence.completion_tokens = len(forced_ids)
 
     def _forced_reply_ended(self, sequence: _Sequence) -> bool:
@@ -569,6 +575,7 @@ class Engine:
                 )
                 if not sequence.next_input:
                     self._prefixes.store(sequence.generation.input_ids, sequence.cache)
+                    mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
             sequence.prompt_seconds += time.monotonic() - began
             if sequence.next_input:
                 return None
@@ -596,6 +603,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
+                mask_logits(logits, [sequence.generation.grammar for sequence in active])
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed")
             for sequence in active:
@@ -636,6 +644,8 @@ class Engine:
         if sequence.first_token_at is None:
             sequence.first_token_at = time.monotonic()
         sequence.sampler.record(token_id)
+        if generation.grammar is not None and not generation.grammar.consume_token(token_id):
+            raise ValueError(f"the grammar refused token {token_id}: {generation.grammar.get_error()}")
         sequence.completion_tokens += 1
         sequence.next_input = [token_id]
         if token_id in self._eos_ids:

@@ -25,6 +25,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     deadline_seconds: float | None = None
+    # > 1 lowers the logits of tokens already in the prompt or the reply (transformers' rule).
+    repetition_penalty: float = 1.0
+    # An llguidance grammar the reply must follow (service/engine/grammar.py), or None for free text.
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
