@@ -94,16 +94,16 @@ def measure_in_process(model_dir: Path, repetitions: int, threads: int) -> dict:
     engine.model.lm_head.register_forward_hook(
         lambda module, args, output: output_layer.append(time.perf_counter() - began_at[-1]))
     sampling: list[float] = []
-    next_token = core.Sampler.next_token
+    sample_tokens = core.sample_tokens
 
-    def timed_next_token(sampler, logits):
+    def timed_sample_tokens(samplers, logits):
         """Sample as the engine does, timing it (the probe's only change to the engine)."""
         began = time.perf_counter()
-        token = next_token(sampler, logits)
+        tokens = sample_tokens(samplers, logits)
         sampling.append(time.perf_counter() - began)
-        return token
+        return tokens
 
-    core.Sampler.next_token = timed_next_token
+    core.sample_tokens = timed_sample_tokens
     for _ in range(repetitions):
         messages = short_chat(f"ft-{uuid.uuid4().hex[:8]}")
         began = time.perf_counter()

@@ -2,8 +2,9 @@
 
 The engine has no fault hooks of its own (production code carries no test switches), so this
 module, which Gunicorn imports in each worker after fork (`gunicorn ... fault_injection:app`),
-patches two engine methods there to raise where a real bug would: the sampler (what a tokenizer's
-DecodeStream raising in the same step looks like to the engine) and the engine loop itself. The
+patches two engine methods there to raise where a real bug would: a sequence's bookkeeping of the
+token it took (what a tokenizer's DecodeStream raising in the same step looks like to the engine) and
+the engine loop itself. The
 cue is a request's seed, a value nothing else sends.
 """
 
@@ -18,17 +19,15 @@ FAULTY_TOKEN = 3
 # While a request with this seed is queued, the engine loop raises: the whole worker fails.
 LOOP_FAULT_SEED = 660_002
 
-_next_token = Sampler.next_token
+_record = Sampler.record
 _drop_cancelled_waiting = Engine._drop_cancelled_waiting
 
 
-def next_token_failing_on_cue(self, logits):
-    """Raise for the cued request, as a fault in one sequence's sampling or text assembly would."""
-    if self.params.seed == SEQUENCE_FAULT_SEED:
-        self.tokens_taken = getattr(self, "tokens_taken", 0) + 1
-        if self.tokens_taken == FAULTY_TOKEN:
-            raise RuntimeError("injected fault in one sequence")
-    return _next_token(self, logits)
+def record_failing_on_cue(self, token_id):
+    """Raise for the cued request, as a fault in one sequence's bookkeeping or text assembly would."""
+    if self.params.seed == SEQUENCE_FAULT_SEED and self.position + 1 == FAULTY_TOKEN:
+        raise RuntimeError("injected fault in one sequence")
+    _record(self, token_id)
 
 
 def loop_failing_on_cue(self):
@@ -40,7 +39,7 @@ def loop_failing_on_cue(self):
     _drop_cancelled_waiting(self)
 
 
-Sampler.next_token = next_token_failing_on_cue
+Sampler.record = record_failing_on_cue
 Engine._drop_cancelled_waiting = loop_failing_on_cue
 
 app = create_app()

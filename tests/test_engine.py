@@ -270,7 +270,7 @@ def test_readyz_answers_while_the_engine_thread_adds_facts(make_settings):
 
 
 def test_each_draw_depends_on_the_seed_and_position_alone():
-    from service.engine.sampling import Sampler
+    from service.engine.sampling import Sampler, sample_tokens
 
     logits = [torch.randn(1000, generator=torch.Generator().manual_seed(row)) for row in range(20)]
 
@@ -281,7 +281,7 @@ def test_each_draw_depends_on_the_seed_and_position_alone():
             sampler = Sampler(SamplingParams(max_tokens=100, temperature=1.0, seed=seed), 1000)
             for token_id in history:
                 sampler.record(token_id)
-            chosen.append(sampler.next_token(row))
+            chosen.append(sample_tokens([sampler], row[None])[0])
         return chosen
 
     at_five = draws(7, [1, 2, 3, 4, 5])
@@ -309,7 +309,7 @@ def pieces_of(generation) -> tuple[list[TextDelta], Finished]:
 
 
 def test_a_seeded_reply_continued_from_its_first_tokens_goes_on_as_the_original(exact_engine):
-    prompt_ids = exact_engine.encode(engine.render_prompt(PROMPT))
+    prompt_ids = exact_engine.encode(exact_engine.render_prompt(PROMPT))
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
     original, finished = pieces_of(exact_engine.submit(prompt_ids, params))
     assert finished.finish_reason == "length" and len(original) > 8

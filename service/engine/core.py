@@ -25,7 +25,7 @@ from .grammar import Grammars, mask_logits
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .prepare import prepare_model
-from .sampling import Sampler, SamplingParams
+from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, sample_tokens
 from .text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,8 @@ class Engine:
                                  Path(self.settings.kernels_dir), files_fingerprint)
         weight_format = prepared.pop("weight_format")
         self.facts.update(prepared)
-        self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}".encode()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(
+            f"{files_fingerprint}:{weight_format}:sampler-{SAMPLER_VERSION}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(
@@ -584,7 +585,7 @@ class Engine:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
             if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
                 return False
-            return self._advance(sequence, output.logits[0, -1])
+            return self._advance(sequence, sample_tokens([sequence.sampler], output.logits[0, -1:])[0])
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
@@ -603,15 +604,17 @@ class Engine:
         try:
             with torch.inference_mode():
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
+                forward_done = time.perf_counter()
                 mask_logits(logits, [sequence.generation.grammar for sequence in active])
+            token_ids = sample_tokens([sequence.sampler for sequence in active], logits)
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed")
             for sequence in active:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self._leave(active, batch, list(range(len(active))))
             return
-        forward_done = time.perf_counter()
-        ended = [row for row, sequence in enumerate(active) if not self._advance_or_fail(sequence, logits[row])]
+        ended = [row for row, (sequence, token_id) in enumerate(zip(active, token_ids, strict=True))
+                 if not self._advance_or_fail(sequence, token_id)]
         self._leave(active, batch, ended)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
 
@@ -628,19 +631,18 @@ class Engine:
             batch.leave(rows)
             active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
 
-    def _advance_or_fail(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
-        """Advance a sequence; a fault in its sampling or text fails that sequence alone."""
+    def _advance_or_fail(self, sequence: _Sequence, token_id: int) -> bool:
+        """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
         try:
-            return self._advance(sequence, logits)
+            return self._advance(sequence, token_id)
         except Exception as exc:
             log.exception("a sequence failed while taking its next token")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             return False
 
-    def _advance(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
-        """Take a sequence's next token from its logits and deliver its text; return whether it goes on."""
+    def _advance(self, sequence: _Sequence, token_id: int) -> bool:
+        """Take a sequence's next token and deliver its text; return whether it goes on."""
         generation = sequence.generation
-        token_id = sequence.sampler.next_token(logits)
         if sequence.first_token_at is None:
             sequence.first_token_at = time.monotonic()
         sequence.sampler.record(token_id)

@@ -1,7 +1,8 @@
-"""Choose the next token from logits, as OpenAI's sampling parameters describe."""
+"""Choose the next token of every row of a step from its logits, as OpenAI's sampling parameters describe."""
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,17 @@ import torch
 # subnormal or zero divisor makes inf or NaN), and softmax(logits / T) is already one-hot there for
 # any logits float32 can tell apart: such temperatures are greedy, computed as such.
 GREEDY_BELOW_TEMPERATURE = torch.finfo(torch.float32).smallest_normal
+
+# Changes whenever the same seed at the same position may draw another token from the same logits.
+# It is part of the engine's fingerprint, so a cache never replays a seeded reply another sampler drew.
+SAMPLER_VERSION = 2
+
+# A non-negative float32's bit pattern orders as its value does: its high 16 bits (sign, exponent and
+# 7 mantissa bits), read in place as the odd int16 of a little-endian float, name a bucket of values
+# within 2^-7 of each other, greater in a higher bucket.
+BUCKETS = 1 << 15
+# Most rows' kept tokens are among this many most likely ones; the others need their whole row.
+CANDIDATES = 256
 
 
 @dataclass(frozen=True)
@@ -54,46 +66,201 @@ class Sampler:
 
     params: SamplingParams
     vocab_size: int
-    generator: torch.Generator = field(init=False)
     seed: int = field(init=False)
     position: int = field(init=False, default=0)
     output_counts: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self):
-        self.generator = torch.Generator()
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32)
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """Return the next token id from the last position's logits (1-D)."""
-        logits = logits.float()
-        if self.output_counts is not None:
-            counts = self.output_counts[: logits.shape[-1]]
-            logits = logits - self.params.frequency_penalty * counts
-            logits = logits - self.params.presence_penalty * (counts > 0).float()
-        if self.params.greedy:
-            return int(torch.argmax(logits))
-        # Shifted so the largest is 0: a small temperature then sends the others towards -inf
-        # instead of overflowing the largest to inf (inf - inf is NaN inside softmax).
-        logits = (logits - logits.max()) / self.params.temperature
-        if self.params.top_k > 0 and self.params.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, self.params.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.params.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= self.params.top_p
-            # A top_p below float32's range (1e-300) compares as 0, which would drop every token.
-            drop[0] = False
-            logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-        probabilities = torch.softmax(logits, dim=-1)
-        self.generator.manual_seed(step_seed(self.seed, self.position))
-        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+    def uniform(self) -> float:
+        """Return the uniform number in [0, 1) that draws the token at the current position."""
+        # The seed's top 53 bits, a float64's precision: every value is exact and below 1.
+        return (step_seed(self.seed, self.position) >> 10) * 2.0**-53
 
     def record(self, token_id: int) -> None:
         """Move past a token of the reply (sampled or forced), counting it for the penalties."""
         self.position += 1
         if self.output_counts is not None and token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
+
+
+def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
+    """Return each row's next token from `logits` [rows, vocab], row i taken by samplers[i].
+
+    Rows are computed together, but every operation works within a row, so a row's token never
+    depends on the other rows or on how many there are.
+    """
+    logits = penalized(samplers, logits.float())
+    tokens = [0] * len(samplers)
+    greedy = [row for row, sampler in enumerate(samplers) if sampler.params.greedy]
+    drawn = [row for row, sampler in enumerate(samplers) if not sampler.params.greedy]
+    if greedy:
+        for row, token in zip(greedy, torch.argmax(take_rows(logits, greedy), dim=-1).tolist()):
+            tokens[row] = token
+    if drawn:
+        for row, token in zip(drawn, draw([samplers[row] for row in drawn], take_rows(logits, drawn))):
+            tokens[row] = token
+    return tokens
+
+
+def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Return the given rows of a tensor, without a copy where they are all of them in order."""
+    return tensor if rows == list(range(tensor.shape[0])) else tensor[rows]
+
+
+def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """Return the logits lowered by each row's presence and frequency penalties (a new tensor where any apply)."""
+    rows = [row for row, sampler in enumerate(samplers) if sampler.output_counts is not None]
+    if not rows:
+        return logits
+    counts = torch.stack([samplers[row].output_counts[: logits.shape[-1]] for row in rows])
+    frequency = torch.tensor([[samplers[row].params.frequency_penalty] for row in rows])
+    presence = torch.tensor([[samplers[row].params.presence_penalty] for row in rows])
+    lowered = logits[rows] - frequency * counts - presence * (counts > 0).float()
+    return logits.index_put((torch.tensor(rows),), lowered)
+
+
+def draw(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
+    """Draw each row's token from softmax(logits / temperature), restricted to its top-k and top-p tokens."""
+    rows, vocab = logits.shape
+    maxima = logits.amax(dim=-1, keepdim=True)
+    # A NaN anywhere in a row, or an infinite largest logit, makes the maximum non-finite.
+    if not torch.isfinite(maxima).all():
+        raise ValueError("logits are not finite")
+    temperatures = torch.tensor([[sampler.params.temperature] for sampler in samplers], dtype=torch.float32)
+    # Shifted so the largest is 0: a small temperature then sends the others towards -inf
+    # instead of overflowing the largest to inf (inf - inf is NaN inside softmax).
+    probabilities = torch.softmax((logits - maxima).div_(temperatures), dim=-1)
+    top_k = [sampler.params.top_k if 0 < sampler.params.top_k < vocab else 0 for sampler in samplers]
+    top_p = [sampler.params.top_p for sampler in samplers]
+    uniforms = [sampler.uniform() for sampler in samplers]
+    tokens = [0] * rows
+    restricted = [row for row in range(rows) if top_k[row] or top_p[row] < 1.0]
+    whole = [row for row in range(rows) if not (top_k[row] or top_p[row] < 1.0)]
+    if restricted:
+        candidates, indices = torch.topk(take_rows(probabilities, restricted), min(CANDIDATES, vocab), dim=-1)
+        floors = candidate_floors(candidates, [top_k[row] for row in restricted], [top_p[row] for row in restricted])
+        # Where every kept token is a candidate (all of them more likely than the last candidate),
+        # the draw needs the candidates alone; elsewhere it needs the whole row.
+        covered = (floors > candidates[:, -1]) | (candidates.shape[-1] == vocab)
+        inside = covered.nonzero()[:, 0].tolist()
+        outside = (~covered).nonzero()[:, 0].tolist()
+        if inside:
+            drawn = draw_kept(candidates[inside], indices[inside], floors[inside],
+                              [uniforms[restricted[row]] for row in inside])
+            for row, token in zip(inside, drawn):
+                tokens[restricted[row]] = token
+        whole += [restricted[row] for row in outside]
+    if whole:
+        whole.sort()
+        floors = kept_floors(take_rows(probabilities, whole), [top_k[row] for row in whole], [top_p[row] for row in whole])
+        drawn = draw_kept(take_rows(probabilities, whole), None, floors, [uniforms[row] for row in whole])
+        for row, token in zip(whole, drawn):
+            tokens[row] = token
+    return tokens
+
+
+def draw_kept(probabilities: torch.Tensor, indices: torch.Tensor | None, floors: torch.Tensor,
+              uniforms: Sequence[float]) -> list[int]:
+    """Draw each row's token among those at or above its floor, by inverse transform sampling.
+
+    Tokens are taken in vocabulary order (`indices` names the token of each column, None for the
+    whole vocabulary), so the candidates alone and the whole row draw the same token: the zeros of
+    the dropped tokens leave the running sums unchanged.
+    """
+    if indices is not None:
+        order = indices.argsort(dim=-1)
+        probabilities, indices = probabilities.gather(1, order), indices.gather(1, order)
+    kept = probabilities if not floors.any() else torch.where(probabilities >= floors[:, None], probabilities, 0)
+    weights = kept.double()
+    cumulative = weights.cumsum(dim=-1)
+    totals = cumulative[:, -1:].contiguous()
+    targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * totals
+    # Never a token of weight 0, even where rounding makes u * total the total.
+    chosen = torch.minimum(torch.searchsorted(cumulative, targets, right=True), torch.searchsorted(cumulative, totals))
+    if indices is not None:
+        chosen = indices.gather(1, chosen)
+    return chosen[:, 0].tolist()
+
+
+def candidate_floors(candidates: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Return each row's smallest kept probability, as far as its most likely candidates (sorted) decide it.
+
+    The floor is exact when it is above the last candidate; otherwise the row needs kept_floors.
+    """
+    rows, width = candidates.shape
+    ks = torch.tensor([[k] for k in top_k])
+    limited = ks[:, 0] > 0
+    # top_k's floor, or the last candidate where top_k is off or reaches past the candidates.
+    kth = candidates.gather(1, (ks.clamp(1, width) - 1).where(limited[:, None], width - 1))[:, 0]
+    floors = torch.where(limited & (ks[:, 0] <= width), kth, candidates[:, -1])
+    masses = candidates.double()
+    cumulative = masses.cumsum(dim=-1)
+    before = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), cumulative[:, :-1]], dim=-1)
+    # The mass top_k keeps: the softmax's own total where top_k is off, as the whole row's top_p takes it.
+    in_top_k = (candidates >= floors[:, None]).sum(dim=-1, keepdim=True)
+    totals = torch.where(limited[:, None], cumulative.gather(1, in_top_k - 1), 1.0)
+    thresholds = torch.tensor(top_p, dtype=torch.float64)[:, None] * totals
+    kept = (before < thresholds).sum(dim=-1, keepdim=True).clamp(1, width)
+    # Where top_k reaches past the candidates, its mass is unknown here: the row stays uncovered.
+    nucleus = torch.tensor([p < 1.0 for p in top_p]) & (ks[:, 0] <= width)
+    return torch.where(nucleus, torch.maximum(floors, candidates.gather(1, kept - 1)[:, 0]), floors)
+
+
+def kept_floors(probabilities: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Return each row's smallest kept probability: of the top_k most likely tokens (0: all), those top_p keeps.
+
+    top_p keeps a token when the tokens more likely than it hold less than top_p of the mass top_k
+    keeps (of the softmax's total where top_k is off; OpenAI's nucleus, the most likely token always
+    in it); equally likely tokens are kept or dropped together, so the set does not depend on how a
+    sort orders ties.
+    """
+    rows, vocab = probabilities.shape
+    floors = torch.zeros(rows, dtype=probabilities.dtype)
+    limited = [row for row in range(rows) if 0 < top_k[row] < vocab]
+    if limited:
+        ks = torch.tensor([[top_k[row] - 1] for row in limited])
+        largest = torch.topk(take_rows(probabilities, limited), max(top_k[row] for row in limited), dim=-1).values
+        floors[limited] = largest.gather(1, ks)[:, 0]
+    nucleus = [row for row in range(rows) if top_p[row] < 1.0]
+    if nucleus:
+        floors[nucleus] = nucleus_floors(take_rows(probabilities, nucleus), floors[nucleus], [top_p[row] for row in nucleus],
+                                         [row in limited for row in nucleus])
+    return floors
+
+
+def nucleus_floors(probabilities: torch.Tensor, floors: torch.Tensor, top_p: Sequence[float],
+                   limited: Sequence[bool]) -> torch.Tensor:
+    """Return each row's smallest probability top_p keeps of the tokens at or above its floor.
+
+    A selection by buckets of the probabilities' bit patterns, not a sort of the vocabulary: the
+    mass of each bucket tells which one holds the boundary, and only that bucket is sorted.
+    """
+    rows = probabilities.shape[0]
+    candidates = torch.where(probabilities >= floors[:, None], probabilities, 0) if any(limited) else probabilities
+    buckets = candidates.view(torch.int16)[:, 1::2]
+    masses = torch.zeros(rows * BUCKETS, dtype=torch.float64)
+    offsets = torch.arange(rows, dtype=torch.int32)[:, None] * BUCKETS
+    masses.index_add_(0, (buckets + offsets).flatten(), candidates.double().flatten())
+    masses = masses.view(rows, BUCKETS)
+    from_top = masses.flip(-1).cumsum(dim=-1)
+    above = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), from_top[:, :-1]], dim=-1).flip(-1)
+    totals = torch.where(torch.tensor(limited)[:, None], from_top[:, -1:], 1.0)
+    thresholds = torch.tensor(top_p, dtype=torch.float64)[:, None] * totals
+    # The lowest bucket with mass whose higher buckets hold less than top_p of it (the top bucket
+    # holding mass always qualifies, so a top_p of 0 keeps the most likely token).
+    qualifies = (masses > 0) & ((above < thresholds) | (above == 0))
+    boundaries = torch.argmax(qualifies.to(torch.uint8), dim=-1).tolist()
+    floors = torch.empty(rows, dtype=probabilities.dtype)
+    for row, boundary in enumerate(boundaries):
+        members = candidates[row][buckets[row] == boundary]
+        members = torch.sort(members[members > 0], descending=True).values
+        # The mass of the tokens more likely than each member: higher buckets, then members before it.
+        before = above[row, boundary] + torch.cat([members.new_zeros(1, dtype=torch.float64),
+                                                   members[:-1].double().cumsum(dim=-1)])
+        kept = max(1, int((before < thresholds[row, 0]).sum()))
+        floors[row] = members[kept - 1]
+    return floors

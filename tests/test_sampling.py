@@ -1,0 +1,148 @@
+"""The batched sampler keeps exactly the top-k/top-p tokens, draws by them, and never looks across rows."""
+
+import collections
+
+import pytest
+import torch
+
+from service.engine.sampling import (
+    CANDIDATES,
+    GREEDY_BELOW_TEMPERATURE,
+    Sampler,
+    SamplingParams,
+    candidate_floors,
+    kept_floors,
+    sample_tokens,
+)
+
+VOCAB = 5000
+TOP_K = [0, 1, 5, 50, CANDIDATES, 300, 4999]
+TOP_P = [1.0, 0.9, 0.5, 0.99, 0.99999999, 1e-300, 5e-324, 0.0]
+
+
+def sorted_floor(probabilities: torch.Tensor, top_k: int, top_p: float) -> float:
+    """Return the smallest kept probability by the definition, over the whole sorted row."""
+    ordered = torch.sort(probabilities.double(), descending=True).values
+    floor = float(ordered[top_k - 1]) if top_k else 0.0
+    if top_p >= 1.0:
+        return floor
+    # Tokens of probability 0 are never drawn: whether the floor reaches them does not matter.
+    kept_by_k = ordered[(ordered >= floor) & (ordered > 0)]
+    total = float(kept_by_k.sum()) if top_k else 1.0
+    before = torch.cat([torch.zeros(1, dtype=torch.float64), kept_by_k.cumsum(0)[:-1]])
+    return float(kept_by_k[max(1, int((before < top_p * total).sum())) - 1])
+
+
+def rows_of_every_shape(count: int) -> torch.Tensor:
+    """Return softmax rows from flat to peaked, a third rounded to bfloat16 so equal probabilities abound."""
+    generator = torch.Generator().manual_seed(5)
+    rows = []
+    for row in range(count):
+        logits = torch.randn(VOCAB, generator=generator) * [0.3, 1.0, 5.0, 20.0][row % 4]
+        rows.append(logits.bfloat16().float() if row % 3 == 0 else logits)
+    return torch.softmax(torch.stack(rows), dim=-1)
+
+
+@pytest.mark.parametrize("top_k", TOP_K)
+def test_kept_tokens_are_those_a_sort_of_the_whole_row_keeps(top_k):
+    """Both ways to find the kept set (the candidates, and buckets of the whole row) agree with the
+    definition computed over a sorted row, for flat, peaked and tied rows and every top_p edge."""
+    probabilities = rows_of_every_shape(12)
+    covered = 0
+    for top_p in TOP_P:
+        if not top_k and top_p >= 1.0:
+            continue
+        want = [sorted_floor(row, top_k, top_p) for row in probabilities]
+        whole = kept_floors(probabilities, [top_k] * len(want), [top_p] * len(want))
+        assert whole.tolist() == want, top_p
+        candidates = torch.topk(probabilities, CANDIDATES, dim=-1).values
+        floors = candidate_floors(candidates, [top_k] * len(want), [top_p] * len(want))
+        exact = floors > candidates[:, -1]
+        covered += int(exact.sum())
+        assert floors[exact].tolist() == [floor for floor, ok in zip(want, exact.tolist()) if ok], top_p
+    if top_k <= CANDIDATES:
+        assert covered, "the candidates never decided a row"
+
+
+def mixed_samplers() -> list[Sampler]:
+    """Return samplers of every kind a batch can mix, some with tokens already counted for penalties."""
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, top_k=20, seed=2),
+        SamplingParams(max_tokens=9, temperature=1.3, seed=3),
+        SamplingParams(max_tokens=9, temperature=1.0, top_k=400, seed=4),
+        SamplingParams(max_tokens=9, temperature=0.9, frequency_penalty=1.5, presence_penalty=0.5, seed=5),
+        SamplingParams(max_tokens=9, temperature=GREEDY_BELOW_TEMPERATURE, top_p=0.5, seed=6),
+        SamplingParams(max_tokens=9, temperature=1.0, top_p=5e-324, seed=7),
+    ]
+    samplers = [Sampler(each, VOCAB) for each in params]
+    for sampler in samplers:
+        for token_id in (3, 3, 17):
+            sampler.record(token_id)
+    return samplers
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_token_is_the_same_alone_and_in_any_batch(threads):
+    """Greedy, nucleus, top-k, penalised and plain rows each take the same token alone, in every
+    batch of 2, 5 and 8 rows and in any order, with one thread or two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits = torch.log(rows_of_every_shape(8)) + torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(9))
+        samplers = mixed_samplers()
+        alone = [sample_tokens([sampler], row[None])[0] for sampler, row in zip(samplers, logits)]
+        for size in (2, 5, 8):
+            for rows in (list(range(size)), list(range(8 - size, 8))[::-1]):
+                together = sample_tokens([samplers[row] for row in rows], logits[rows])
+                assert together == [alone[row] for row in rows], (size, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_draws_follow_the_kept_probabilities_and_never_leave_the_kept_set():
+    """Over many positions of one seed the draws match the renormalised kept probabilities."""
+    probabilities = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = torch.log(probabilities)
+    # top_p 0.8 keeps the tokens with less than 0.8 before them: 0.4, 0.25 and 0.15 (0.8 before 0.1).
+    samplers = [Sampler(SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8, seed=42), 6) for _ in range(20_000)]
+    for position, sampler in enumerate(samplers):
+        sampler.position = position
+    draws = collections.Counter(sample_tokens(samplers, logits.expand(len(samplers), -1).contiguous()))
+    assert set(draws) == {0, 1, 2}
+    for token, share in ((0, 0.4 / 0.8), (1, 0.25 / 0.8), (2, 0.15 / 0.8)):
+        assert abs(draws[token] / 20_000 - share) < 0.015, draws
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=1, temperature=GREEDY_BELOW_TEMPERATURE, seed=1),
+    SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-300, seed=1),
+    SamplingParams(max_tokens=1, temperature=1.0, top_p=5e-324, seed=1),
+    SamplingParams(max_tokens=1, temperature=1.0, top_p=0.0, seed=1),
+], ids=["smallest-normal-temperature", "top_p-1e-300", "top_p-5e-324", "top_p-0"])
+def test_extreme_parameters_take_the_most_likely_token(params):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    for position in range(20):
+        samplers = [Sampler(params, VOCAB) for _ in range(3)]
+        for sampler in samplers:
+            sampler.position = position
+        assert sample_tokens(samplers, logits) == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_penalties_lower_the_tokens_a_reply_already_holds():
+    logits = torch.zeros(1, 10)
+    logits[0, 4], logits[0, 7] = 3.0, 2.0
+    sampler = Sampler(SamplingParams(max_tokens=5, temperature=0.0, frequency_penalty=1.5), 10)
+    assert sample_tokens([sampler], logits) == [4]
+    sampler.record(4)
+    assert sample_tokens([sampler], logits) == [7]
+    assert logits[0, 4] == 3.0  # the caller's logits are left as they were
+
+
+def test_non_finite_logits_raise_instead_of_drawing():
+    logits = torch.zeros(2, 10)
+    logits[1, 3] = float("nan")
+    samplers = [Sampler(SamplingParams(max_tokens=1, temperature=1.0, seed=1), 10) for _ in range(2)]
+    with pytest.raises(ValueError, match="not finite"):
+        sample_tokens(samplers, logits)
