@@ -26,7 +26,8 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from service.engine.grammar import JSON_OPTIONS, Vocabulary, byte_level_alphabet, mask_logits  # noqa: E402
+from service.engine.grammar import JSON_OPTIONS, Vocabulary, mask_logits  # noqa: E402
+from service.engine.text import byte_level_alphabet  # noqa: E402
 
 BATCH = 8
 SCHEMA = {

@@ -19,6 +19,7 @@ from .engine import (
     Started,
     TemplateRefused,
     TextDelta,
+    TokenLogprob,
     json_schema_grammar,
     tool_call_grammar,
 )
@@ -53,6 +54,16 @@ class PreparedChat:
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
         return ToolCallParser() if self.request.tools_offered else None
+
+
+def render_logprob(entry: TokenLogprob) -> dict:
+    """Render a token's logprob entry in OpenAI's shape."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in entry.top],
+    }
 
 
 class ChatCompletions:
@@ -194,15 +205,16 @@ class ChatCompletions:
 
     # Rendering -----------------------------------------------------------------------------
 
-    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None) -> dict:
-        """Build one chat.completion.chunk object."""
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None) -> dict:
+        """Build one chat.completion.chunk object (`logprobs`: the entries of the tokens it delivers)."""
         chunk = {
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
             "model": self.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                         "finish_reason": finish_reason}],
         }
         if prepared.request.include_usage:
             chunk["usage"] = None
@@ -223,6 +235,8 @@ class ChatCompletions:
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
         parser = prepared.tool_call_parser()
+        # Entries of tokens whose text is still held back go out with the next chunk.
+        logprobs: list[dict] = []
         try:
             yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
             while True:
@@ -230,14 +244,19 @@ class ChatCompletions:
                 if event is None:
                     yield PING
                 elif isinstance(event, TextDelta):
+                    logprobs += map(render_logprob, event.logprobs)
                     for delta in self._deltas(parser, event.text):
-                        yield sse_data(self._chunk(prepared, delta))
+                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
+                        logprobs = []
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body())
                         break
                     for delta in self._deltas(parser, None):
-                        yield sse_data(self._chunk(prepared, delta))
+                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
+                        logprobs = []
+                    if logprobs:
+                        yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
                     yield sse_data(self._chunk(prepared, {}, self._finish_reason(event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
@@ -268,11 +287,12 @@ class ChatCompletions:
 
     def complete(self, prepared: PreparedChat, source) -> dict:
         """Wait for the whole reply and return a chat.completion object."""
-        pieces = []
+        pieces, logprobs = [], []
         try:
             for event in source.events():
                 if isinstance(event, TextDelta):
                     pieces.append(event.text)
+                    logprobs += map(render_logprob, event.logprobs)
                 elif isinstance(event, Failed):
                     raise InternalError(event.message)
                 elif isinstance(event, Finished):
@@ -302,7 +322,7 @@ class ChatCompletions:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": {"content": logprobs} if prepared.params.logprobs else None,
                     "finish_reason": self._finish_reason(finished, parser),
                 }
             ],

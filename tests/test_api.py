@@ -333,6 +333,9 @@ def test_omitted_sampling_fields_take_the_models_generation_config(app):
     assert (omitted.temperature, omitted.top_p, omitted.top_k) == (0.7, 0.8, 20)  # Qwen2.5's generation_config
     given = chat.prepare(parse_chat_request({"messages": USER, "temperature": 0, "top_p": 0.5, "top_k": 3})).params
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.5, 3)
+    # repetition_penalty applies greedy or not, as transformers and vLLM apply it.
+    assert omitted.repetition_penalty == given.repetition_penalty == 1.05
+    assert chat.prepare(parse_chat_request({"messages": USER, "repetition_penalty": 1.0})).params.repetition_penalty == 1.0
 
 
 # A template in the style of many non-Qwen models: it raises on a role order it does not support.

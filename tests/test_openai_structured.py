@@ -145,6 +145,27 @@ def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
     assert message.parsed == Review.model_validate_json(message.content)
 
 
+def test_logprobs_are_typed_and_come_from_the_distribution_sampled(client):
+    completion = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    entries = completion.choices[0].logprobs.content
+    # Every token of the reply, the end-of-turn token that stops it aside.
+    ending = completion.choices[0].finish_reason == "stop"
+    assert len(entries) == completion.usage.completion_tokens - ending
+    for entry in entries:
+        assert isinstance(entry, openai.types.chat.ChatCompletionTokenLogprob)
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert [alt.logprob for alt in entry.top_logprobs] == sorted((alt.logprob for alt in entry.top_logprobs), reverse=True)
+        # Greedy takes the most likely token of the distribution the logprobs describe.
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    streamed = list(client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3, stream=True))
+    streamed_entries = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                        for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed_entries] == [(e.token, e.logprob) for e in entries]
+
+
 def test_every_constrained_reply_parses_and_validates_under_a_nested_schema(client):
     validator = Draft202012Validator(NESTED_SCHEMA)
     response_format = {"type": "json_schema", "json_schema": {"name": "item", "schema": NESTED_SCHEMA, "strict": True}}

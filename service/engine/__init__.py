@@ -15,6 +15,7 @@ from .core import (
 from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
+from .text import TokenLogprob
 
 __all__ = [
     "Engine",
@@ -29,6 +30,7 @@ __all__ = [
     "Started",
     "TemplateRefused",
     "TextDelta",
+    "TokenLogprob",
     "events_until_last",
     "json_schema_grammar",
     "tool_call_grammar",

@@ -25,8 +25,8 @@ from .grammar import Grammars, mask_logits
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens
 from .prefixes import PrefixStore
 from .prepare import prepare_model
-from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, sample_tokens
-from .text import TextAssembler
+from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, TokenLogprobs, sample_tokens, token_logprobs
+from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class TextDelta:
     text: str
     # The tokens that completed this text since the previous piece: what a continuation is forced with.
     token_ids: tuple[int, ...] = ()
+    # Their log probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class _Sequence:
     completion_tokens: int = 0
     # Tokens taken since the last text piece went out, sent along with the next one.
     unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
@@ -182,6 +185,7 @@ class Engine:
         self.kv_token_budget = 0
         self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
+        self._speller: TokenSpeller | None = None
         # Bounded by submit(): running plus queued stay within MAX_RUNNING + MAX_QUEUE, so a burst
         # submitted before this thread takes any is not refused while running places are free.
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.request_places)
@@ -215,6 +219,7 @@ class Engine:
         self._eos_ids = self._find_eos_ids()
         config = AutoConfig.from_pretrained(self.model_dir)
         self.grammars = Grammars(self.tokenizer, config.vocab_size, sorted(self._eos_ids))
+        self._speller = TokenSpeller(self.tokenizer)
         bytes_per_token = kv_bytes_per_token(config, DTYPES[self.settings.dtype])
         self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
         self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
@@ -522,7 +527,7 @@ class Engine:
         cache, cached = self._prefixes.lookup(input_ids)
         sequence = _Sequence(
             generation=generation,
-            sampler=Sampler(generation.params, self.model.config.vocab_size),
+            sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
             text=TextAssembler(self.tokenizer, generation.params.stop),
             cache=cache if cache is not None else DynamicCache(config=self.model.config),
             started_at=now,
@@ -585,7 +590,9 @@ class Engine:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
             if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
                 return False
-            return self._advance(sequence, sample_tokens([sequence.sampler], output.logits[0, -1:])[0])
+            logits = output.logits[0, -1:]
+            token_id = sample_tokens([sequence.sampler], logits)[0]
+            return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
@@ -606,15 +613,17 @@ class Engine:
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
                 forward_done = time.perf_counter()
                 mask_logits(logits, [sequence.generation.grammar for sequence in active])
-            token_ids = sample_tokens([sequence.sampler for sequence in active], logits)
+            samplers = [sequence.sampler for sequence in active]
+            token_ids = sample_tokens(samplers, logits)
+            logprobs = token_logprobs(samplers, logits, token_ids)
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed")
             for sequence in active:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self._leave(active, batch, list(range(len(active))))
             return
-        ended = [row for row, (sequence, token_id) in enumerate(zip(active, token_ids, strict=True))
-                 if not self._advance_or_fail(sequence, token_id)]
+        ended = [row for row, (sequence, token_id, logprob) in enumerate(zip(active, token_ids, logprobs, strict=True))
+                 if not self._advance_or_fail(sequence, token_id, logprob)]
         self._leave(active, batch, ended)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
 
@@ -631,16 +640,16 @@ class Engine:
             batch.leave(rows)
             active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
 
-    def _advance_or_fail(self, sequence: _Sequence, token_id: int) -> bool:
+    def _advance_or_fail(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
         """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
         try:
-            return self._advance(sequence, token_id)
+            return self._advance(sequence, token_id, logprob)
         except Exception as exc:
             log.exception("a sequence failed while taking its next token")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             return False
 
-    def _advance(self, sequence: _Sequence, token_id: int) -> bool:
+    def _advance(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
         """Take a sequence's next token and deliver its text; return whether it goes on."""
         generation = sequence.generation
         if sequence.first_token_at is None:
@@ -654,10 +663,13 @@ class Engine:
             self._finish(sequence, "stop")
             return False
         sequence.unsent_ids.append(token_id)
+        if logprob is not None:
+            sequence.unsent_logprobs.append(self._speller.logprob(token_id, logprob.logprob, logprob.top))
         delta = sequence.text.add(token_id)
         if delta:
-            generation.send(TextDelta(delta, tuple(sequence.unsent_ids)))
+            generation.send(TextDelta(delta, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
             sequence.unsent_ids.clear()
+            sequence.unsent_logprobs.clear()
         if sequence.text.stopped:
             self._finish(sequence, "stop")
             return False
@@ -670,7 +682,7 @@ class Engine:
         """Send the held-back text and the final event of a sequence."""
         rest = sequence.text.finish() if finish_reason != "cancelled" else ""
         if rest:
-            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids)))
+            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
         self.facts["requests_finished"] += 1
         sequence.generation.send(

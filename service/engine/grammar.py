@@ -18,6 +18,8 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 from llguidance._tokenizer import TokenizerWrapper
 
+from .text import byte_level_alphabet
+
 log = logging.getLogger(__name__)
 
 # The spacing Qwen2.5 and json.dumps write. No free whitespace: a model (a random one above all)
@@ -74,13 +76,6 @@ def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool) -> str:
         return check_grammar(LLMatcher.grammar_from_lark(lark))
     except ValueError as exc:
         raise GrammarRefused(str(exc)) from None
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """Return the byte each character of a byte-level BPE token stands for (GPT-2's printable mapping)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 256)]
-    shifted = [byte for byte in range(256) if byte not in printable]
-    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(shifted)}}
 
 
 class Vocabulary:
