@@ -198,6 +198,9 @@ class ChatCompletions:
             return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
         except EngineOverloaded as exc:
             raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
+            param = "tools" if prepared.request.forced_tools else "response_format"
+            raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
         except EngineUnavailable:
             raise Overloaded(
                 "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
