@@ -399,7 +399,7 @@ class Engine:
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
-        # Made here, in the request's thread: the first grammar waits for the vocabulary view, the engine must not.
+        # Made here, in the request's thread: the first one builds the view of the vocabulary, which the engine must not wait for.
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generation = Generation(prompt_ids, params, forced_ids, grammar)
         if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:

@@ -4,11 +4,10 @@ llguidance was chosen by measurement (bench/grammar_probe.py, bench/results/gram
 Qwen2.5 vocabulary it compiles a nested schema in about a millisecond (lazily, as tokens arrive)
 and fills eight rows' masks in well under a millisecond, on CPU, with no dependencies. A grammar is
 checked without the vocabulary (in the request thread, so a bad schema is a 400); matchers need the
-worker's vocabulary view, built once in the background because it takes a second or more.
+worker's view of the vocabulary, built by the first request that needs one.
 """
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from functools import lru_cache
@@ -20,7 +19,6 @@ from llguidance._tokenizer import TokenizerWrapper
 
 from .text import byte_level_alphabet
 
-log = logging.getLogger(__name__)
 
 # The spacing Qwen2.5 and json.dumps write. No free whitespace: a model (a random one above all)
 # could otherwise fill its whole budget with blanks.
@@ -104,36 +102,32 @@ class Vocabulary:
 
 
 class Grammars:
-    """A worker's grammar engine: its vocabulary view (built in the background) and compiled grammars by text."""
+    """A worker's grammar engine: its view of the vocabulary (built on first use) and compiled grammars by text."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         self.vocab_size = vocab_size
-        self._ready = threading.Event()
+        self._tokenizer, self._eos_ids = tokenizer, eos_ids
         self._lltokenizer: LLTokenizer | None = None
-        self._error: Exception | None = None
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        threading.Thread(target=self._build, args=(tokenizer, eos_ids), name="corechat-grammar", daemon=True).start()
 
-    def _build(self, tokenizer, eos_ids: list[int]) -> None:
-        """Build llguidance's view of the vocabulary."""
-        try:
-            vocabulary = Vocabulary(tokenizer, self.vocab_size, eos_ids[0])
-            self._lltokenizer = LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=self.vocab_size, eos_token=eos_ids)
-        except Exception as exc:  # served without constrained decoding, which then fails per request
-            log.exception("the grammar engine's vocabulary failed to build")
-            self._error = exc
-        self._ready.set()
+    def _vocabulary(self) -> LLTokenizer:
+        """Return llguidance's view of the vocabulary, built on first use.
+
+        It takes about 1.5 s of CPU and 70 MB, which a worker never asked for a grammar (and every
+        engine a test starts) does not pay; the first constrained request of a worker waits for it.
+        """
+        if self._lltokenizer is None:
+            vocabulary = Vocabulary(self._tokenizer, self.vocab_size, self._eos_ids[0])
+            self._lltokenizer = LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=self.vocab_size, eos_token=self._eos_ids)
+        return self._lltokenizer
 
     def matcher(self, grammar: str) -> LLMatcher:
         """Return a fresh matcher of a grammar, copied from its compiled form (compiled on first use)."""
-        self._ready.wait()
-        if self._lltokenizer is None:
-            raise RuntimeError(f"no grammar engine: {self._error}")
         with self._lock:
             compiled = self._compiled.pop(grammar, None)
             if compiled is None:
-                compiled = LLMatcher(self._lltokenizer, grammar)
+                compiled = LLMatcher(self._vocabulary(), grammar)
                 if compiled.is_error():
                     raise GrammarRefused(compiled.get_error())
             self._compiled[grammar] = compiled
