@@ -14,15 +14,20 @@ from .engine import (
     EngineUnavailable,
     Failed,
     Finished,
+    GrammarRefused,
     SamplingParams,
     Started,
     TemplateRefused,
     TextDelta,
+    TokenLogprob,
+    json_schema_grammar,
+    tool_call_grammar,
 )
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
+from .toolcalls import ToolCallParser, merge_deltas
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,20 @@ class PreparedChat:
     params: SamplingParams
     completion_id: str
     created: int
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
+        return ToolCallParser() if self.request.tools_offered else None
+
+
+def render_logprob(entry: TokenLogprob) -> dict:
+    """Render a token's logprob entry in OpenAI's shape."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in entry.top],
+    }
 
 
 class ChatCompletions:
@@ -70,20 +89,42 @@ class ChatCompletions:
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] for message in messages))
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
+        if tools and not self.engine.template_supports_tools:
+            raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
+                                 param="tools")
+        grammar = self._grammar(request)
         try:
-            prompt_ids = self.engine.encode_chat(messages)
+            prompt_ids = self.engine.encode_chat(messages, tools)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
         return PreparedChat(
             request=request,
             prompt_ids=prompt_ids,
-            params=self._sampling_params(request, len(prompt_ids)),
+            params=self._sampling_params(request, len(prompt_ids), grammar),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
         )
 
-    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+    @staticmethod
+    def _grammar(request: ChatCompletionRequest) -> str | None:
+        """Return the grammar the reply must follow (a forced tool call, or response_format), or None."""
+        if request.forced_tools:
+            functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
+            try:
+                return tool_call_grammar(functions, parallel=request.parallel_tool_calls is not False)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
+        if request.json_schema is not None:
+            try:
+                return json_schema_grammar(request.json_schema)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'response_format': the schema cannot be enforced: {exc}",
+                                     param="response_format") from None
+        return None
+
+    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
         limit, limit_name = self._token_limit()
         room = limit - prompt_tokens
@@ -117,7 +158,19 @@ class ChatCompletions:
             stop=request.stop_strings,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=self._repetition_penalty(request),
+            grammar=grammar,
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
         )
+
+    def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
+        """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
+        transformers and vLLM apply it), else 1 (none)."""
+        if request.repetition_penalty is not None:
+            return request.repetition_penalty
+        configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
+        return float(configured) if configured is not None else 1.0
 
     def _token_limit(self) -> tuple[int, str]:
         """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
@@ -145,6 +198,9 @@ class ChatCompletions:
             return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
         except EngineOverloaded as exc:
             raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
+            param = "tools" if prepared.request.forced_tools else "response_format"
+            raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
         except EngineUnavailable:
             raise Overloaded(
                 "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
@@ -152,15 +208,16 @@ class ChatCompletions:
 
     # Rendering -----------------------------------------------------------------------------
 
-    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None) -> dict:
-        """Build one chat.completion.chunk object."""
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None) -> dict:
+        """Build one chat.completion.chunk object (`logprobs`: the entries of the tokens it delivers)."""
         chunk = {
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
             "model": self.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                         "finish_reason": finish_reason}],
         }
         if prepared.request.include_usage:
             chunk["usage"] = None
@@ -180,6 +237,9 @@ class ChatCompletions:
 
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
+        parser = prepared.tool_call_parser()
+        # Entries of tokens whose text is still held back go out with the next chunk.
+        logprobs: list[dict] = []
         try:
             yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
             while True:
@@ -187,12 +247,20 @@ class ChatCompletions:
                 if event is None:
                     yield PING
                 elif isinstance(event, TextDelta):
-                    yield sse_data(self._chunk(prepared, {"content": event.text}))
+                    logprobs += map(render_logprob, event.logprobs)
+                    for delta in self._deltas(parser, event.text):
+                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
+                        logprobs = []
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body())
                         break
-                    yield sse_data(self._chunk(prepared, {}, event.finish_reason))
+                    for delta in self._deltas(parser, None):
+                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
+                        logprobs = []
+                    if logprobs:
+                        yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
+                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
                         usage_chunk.update(choices=[], usage=self._usage(event))
@@ -205,13 +273,29 @@ class ChatCompletions:
         finally:
             source.cancel()
 
+    @staticmethod
+    def _deltas(parser: ToolCallParser | None, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out."""
+        if parser is None:
+            return [{"content": text}] if text else []
+        content, calls = parser.feed(text) if text is not None else parser.finish()
+        return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
+
+    @staticmethod
+    def _finish_reason(finished: Finished, parser: ToolCallParser | None) -> str:
+        """Return OpenAI's finish reason: `tool_calls` when a reply that ended by itself called tools."""
+        if parser is not None and parser.calls and finished.finish_reason == "stop":
+            return "tool_calls"
+        return finished.finish_reason
+
     def complete(self, prepared: PreparedChat, source) -> dict:
         """Wait for the whole reply and return a chat.completion object."""
-        pieces = []
+        pieces, logprobs = [], []
         try:
             for event in source.events():
                 if isinstance(event, TextDelta):
                     pieces.append(event.text)
+                    logprobs += map(render_logprob, event.logprobs)
                 elif isinstance(event, Failed):
                     raise InternalError(event.message)
                 elif isinstance(event, Finished):
@@ -222,6 +306,15 @@ class ChatCompletions:
             source.cancel()
         if finished.finish_reason == "cancelled":
             raise interrupted()
+        message = {"role": "assistant", "content": "".join(pieces)}
+        parser = prepared.tool_call_parser()
+        if parser is not None:
+            content, deltas = parser.feed(message["content"])
+            rest, last_deltas = parser.finish()
+            calls = merge_deltas(deltas + last_deltas)
+            message["content"] = content + rest
+            if calls:
+                message.update(content=message["content"] or None, tool_calls=calls)
         return {
             "id": prepared.completion_id,
             "object": "chat.completion",
@@ -231,9 +324,9 @@ class ChatCompletions:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(pieces)},
-                    "logprobs": None,
-                    "finish_reason": finished.finish_reason,
+                    "message": message,
+                    "logprobs": {"content": logprobs} if prepared.params.logprobs else None,
+                    "finish_reason": self._finish_reason(finished, parser),
                 }
             ],
             "usage": self._usage(finished),

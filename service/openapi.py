@@ -20,8 +20,66 @@ USAGE = {
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
 }
-FINISH_REASON = {"enum": ["stop", "length", "cancelled"]}
-
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls", "cancelled"]}
+TOKEN_LOGPROB = {
+    "token": {"type": "string"},
+    "logprob": {"type": "number", "maximum": 0},
+    "bytes": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+}
+LOGPROBS = {
+    "description": "With `logprobs: true`: each token's log probability under the distribution the sampler drew "
+    "from, and the `top_logprobs` most likely alternatives; otherwise null.",
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["content"],
+            "properties": {
+                "content": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["token", "logprob", "bytes", "top_logprobs"],
+                        "properties": {
+                            **TOKEN_LOGPROB,
+                            "top_logprobs": {
+                                "type": "array",
+                                "maxItems": 20,
+                                "items": {"type": "object", "required": list(TOKEN_LOGPROB), "properties": TOKEN_LOGPROB},
+                            },
+                        },
+                    },
+                }
+            },
+        },
+        {"type": "null"},
+    ],
+}
+TOOL_CALL = {
+    "type": "object",
+    "description": "A call of one of the request's tools; `arguments` is a JSON text.",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^call_"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+TOOL_CALL_DELTA = {
+    "type": "object",
+    "description": "A piece of a streamed tool call: the first carries its id, type and name; later ones "
+    "(same `index`) add `function.arguments` text.",
+    "required": ["index", "function"],
+    "properties": {
+        "index": {"type": "integer", "minimum": 0},
+        "id": {"type": "string", "pattern": "^call_"},
+        "type": {"const": "function"},
+        "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
+    },
+}
 
 
 def _completion_header(object_name: str) -> dict:
@@ -46,7 +104,7 @@ def _one_choice(content_field: str, content_schema: dict, finish_reason: dict) -
             "properties": {
                 "index": {"const": 0},
                 content_field: {"type": "object", **content_schema},
-                "logprobs": {"type": "null"},
+                "logprobs": LOGPROBS,
                 "finish_reason": finish_reason,
             },
         },
@@ -82,7 +140,14 @@ RESPONSE_SCHEMAS = {
                 "minItems": 1,
                 **_one_choice(
                     "message",
-                    {"required": ["role", "content"], "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                    {
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": ["string", "null"], "description": "null when the reply is tool calls alone"},
+                            "tool_calls": {"type": "array", "minItems": 1, "items": TOOL_CALL},
+                        },
+                    },
                     FINISH_REASON,
                 ),
             },
@@ -98,7 +163,14 @@ RESPONSE_SCHEMAS = {
             **_completion_header("chat.completion.chunk"),
             "choices": _one_choice(
                 "delta",
-                {"additionalProperties": False, "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                {
+                    "additionalProperties": False,
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {"type": "string"},
+                        "tool_calls": {"type": "array", "minItems": 1, "items": TOOL_CALL_DELTA},
+                    },
+                },
                 {"anyOf": [FINISH_REASON, {"type": "null"}]},
             ),
             "usage": {"anyOf": [{"$ref": REF.format(model="Usage")}, {"type": "null"}]},

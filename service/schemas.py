@@ -1,14 +1,18 @@
 """The request body of chat completions: parsed strictly, every problem named by its field."""
 
 import json
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
 INT64 = 2**63 - 1
+# OpenAI's rule for function and schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Strict(BaseModel):
@@ -24,24 +28,120 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    """The function an assistant message called, with its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     """One message of the conversation."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only on an assistant message that carries tool_calls.
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
         """Return the content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
-        """Return the message as the chat template expects it."""
+        """Return the message as the chat template expects it (tool arguments as objects, as templates print them)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text}
+        message = {"role": role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+FunctionName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call; `parameters` is a JSON schema of its arguments."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @property
+    def arguments_schema(self) -> dict:
+        """Return the schema the arguments follow (any object when none was given)."""
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(_Strict):
+    """A tool the model may call: only functions exist."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(_Strict):
+    """The function a named tool_choice forces."""
+
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    """A tool_choice that forces one function."""
+
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class TextFormat(_Strict):
+    """Free text, the default."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    """A named JSON schema the reply must follow."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """JSON following a schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
 
 
 class StreamOptions(_Strict):
@@ -71,6 +171,14 @@ class ChatCompletionRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
 
     @field_validator("stop")
     @classmethod
@@ -97,6 +205,38 @@ class ChatCompletionRequest(_Strict):
         """Tell whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """Return the tool_choice in force: as given, else `auto` with tools and `none` without, as OpenAI does."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tools_offered(self) -> list[Tool]:
+        """Return the tools the model is shown (none under tool_choice `none`)."""
+        return [] if self.effective_tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def forced_tools(self) -> list[Tool]:
+        """Return the tools one of which the reply must call (empty when the model may answer in text)."""
+        choice = self.effective_tool_choice
+        if choice == "required":
+            return list(self.tools or [])
+        if isinstance(choice, NamedToolChoice):
+            return [tool for tool in self.tools or [] if tool.function.name == choice.function.name]
+        return []
+
+    @property
+    def json_schema(self) -> dict | None:
+        """Return the schema the reply must follow under response_format, or None for free text."""
+        if isinstance(self.response_format, JsonObjectFormat):
+            return {"type": "object"}
+        if isinstance(self.response_format, JsonSchemaFormat):
+            schema = self.response_format.json_schema.schema_
+            return schema if schema is not None else {"type": "object"}
+        return None
+
 
 def _reject_constant(name: str):
     """Refuse NaN and Infinity, which JSON does not have."""
@@ -115,17 +255,57 @@ def parse_json_body(data: bytes):
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
+FIELD_NAME = re.compile(r"[a-z_]+")
+
+
 def _param_name(location: tuple) -> str:
     """Turn a pydantic error location into OpenAI's param notation, e.g. messages[0].content."""
     name = ""
     for part in location:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "list[constrained-str]", "constrained-str"):
-            continue  # which alternative of a union failed says nothing to the client
+        elif part in ("str", "list[TextPart]") or not FIELD_NAME.fullmatch(part):
+            continue  # which alternative of a union failed (a type or model name) says nothing to the client
         else:
             name += f".{part}" if name else str(part)
     return name
+
+
+def _check_messages(request: ChatCompletionRequest) -> None:
+    """Check what one field's type cannot: which role carries which tool field, and the arguments' JSON."""
+    for index, message in enumerate(request.messages):
+        where = f"messages[{index}]"
+        if message.tool_calls is not None and message.role != "assistant":
+            raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
+        if message.role == "tool" and message.tool_call_id is None:
+            raise InvalidRequest(f"'{where}.tool_call_id' is a required property of tool messages", param=f"{where}.tool_call_id")
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidRequest(f"'{where}.content' is a required property", param=f"{where}.content")
+        for call_index, call in enumerate(message.tool_calls or []):
+            param = f"{where}.tool_calls[{call_index}].function.arguments"
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
+
+
+def _check_tool_fields(request: ChatCompletionRequest) -> None:
+    """Check tool_choice and logprobs against the fields they depend on."""
+    choice = request.tool_choice
+    if choice not in (None, "none") and not request.tools:
+        raise InvalidRequest("'tool_choice' is only allowed when 'tools' are given", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and not request.forced_tools:
+        raise InvalidRequest(f"invalid 'tool_choice': no tool named '{choice.function.name}' is in 'tools'", param="tool_choice")
+    names = [tool.function.name for tool in request.tools or []]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("invalid 'tools': function names must be unique", param="tools")
+    if request.forced_tools and request.json_schema is not None:
+        raise InvalidRequest("'response_format' cannot be combined with a tool_choice that forces a tool call",
+                             param="response_format")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("'top_logprobs' is only allowed when 'logprobs' is true", param="top_logprobs")
 
 
 def parse_chat_request(body) -> ChatCompletionRequest:
@@ -133,19 +313,29 @@ def parse_chat_request(body) -> ChatCompletionRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        # Of a union's alternatives, the one that got furthest names the real problem.
+        # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
+        # whose tag (its literal `type`) matched says more than those whose tag did not.
         errors = exc.errors(include_url=False)
-        first = max(errors, key=lambda error: (len(error["loc"]), -errors.index(error)))
+        mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
+        first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
         param = _param_name(first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":
             message = f"'{param}' is a required property"
         elif param == "n":
             message = "only n=1 is supported"
+        elif first["type"] == "literal_error":
+            # Each alternative of a union names only its own values; the client needs all of them.
+            expected = [error["ctx"]["expected"] for error in errors
+                        if error["type"] == "literal_error" and _param_name(error["loc"]) == param]
+            message = f"invalid '{param}': expected {' or '.join(expected)}"
         else:
             message = f"invalid '{param}': {message}"
         raise InvalidRequest(message, param=param or None) from None
     except RecursionError:
         raise InvalidRequest("the request body is nested too deeply") from None
+    _check_messages(request)
+    _check_tool_fields(request)
+    return request

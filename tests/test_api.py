@@ -7,6 +7,15 @@ import pytest
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 
 
+def tool_with(parameters: dict) -> dict:
+    """Return a function tool `f` taking the given parameters schema."""
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+TOOL = tool_with({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+
+
 def chat(client, **body):
     """POST a chat completion with the given fields."""
     return client.post("/v1/chat/completions", json={"messages": USER, **body})
@@ -164,6 +173,46 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": USER, "n": 2}, "n"),
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({"messages": USER, "tools": {"type": "function"}}, "tools"),
+        ({"messages": USER, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+         "tools[0].function.parameters"),
+        ({"messages": USER, "tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": "maybe"}, "tool_choice"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+         "tool_choice"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": USER, "tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"messages": USER, "tools": [tool_with({"type": "string", "format": "no-such-format"})], "tool_choice": "required"},
+         "tools"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"messages": USER, "response_format": "json"}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format.json_schema.name"),
+        ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
+         "response_format"),
+        ({"messages": USER, "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "a", "schema": {"type": "string", "format": "no-such"}}}},
+         "response_format"),
+        ({"messages": USER, "logprobs": "yes"}, "logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": USER, "repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
+        ({"messages": [*USER, {"role": "assistant", "content": None}]}, "messages[1].content"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
+         "messages[1].tool_calls[0].function.arguments"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+         "messages[1].tool_calls[0].function.arguments"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "code"}]}]}, "messages[1].tool_calls[0].type"),
     ],
 )
 def test_bad_fields_get_400_naming_the_field(client, body, param):
@@ -284,6 +333,9 @@ def test_omitted_sampling_fields_take_the_models_generation_config(app):
     assert (omitted.temperature, omitted.top_p, omitted.top_k) == (0.7, 0.8, 20)  # Qwen2.5's generation_config
     given = chat.prepare(parse_chat_request({"messages": USER, "temperature": 0, "top_p": 0.5, "top_k": 3})).params
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.5, 3)
+    # repetition_penalty applies greedy or not, as transformers and vLLM apply it.
+    assert omitted.repetition_penalty == given.repetition_penalty == 1.05
+    assert chat.prepare(parse_chat_request({"messages": USER, "repetition_penalty": 1.0})).params.repetition_penalty == 1.0
 
 
 # A template in the style of many non-Qwen models: it raises on a role order it does not support.
@@ -340,3 +392,28 @@ def test_a_strict_chat_template_serves_the_role_orders_it_accepts(strict_templat
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     response = strict_template_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
     assert response.status_code == 200, response.get_data(as_text=True)
+
+
+def test_a_chat_template_without_tool_support_gets_400_naming_tools(strict_template_client):
+    response = strict_template_client.post("/v1/chat/completions", json={"messages": USER, "tools": [TOOL]})
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.get_json()["error"]["param"] == "tools"
+    # tool_choice "none" shows the model no tools, so such a template serves it.
+    response = strict_template_client.post(
+        "/v1/chat/completions", json={"messages": USER, "tools": [TOOL], "tool_choice": "none", "max_tokens": 2})
+    assert response.status_code == 200, response.get_data(as_text=True)
+
+
+def test_tools_and_a_tool_round_trip_render_through_the_models_template(app):
+    from service.schemas import parse_chat_request
+
+    chat = app.extensions["corechat"].chat
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prepared = chat.prepare(parse_chat_request({"messages": messages, "tools": [TOOL]}))
+    prompt = chat.engine.tokenizer.decode(prepared.prompt_ids)
+    assert '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"' in prompt  # Qwen2.5's <tools>
+    assert '<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    without = chat.prepare(parse_chat_request({"messages": messages, "tools": [TOOL], "tool_choice": "none"}))
+    assert "<tools>" not in chat.engine.tokenizer.decode(without.prompt_ids)

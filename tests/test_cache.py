@@ -94,11 +94,22 @@ def test_key_is_stable_and_changes_with_every_output_changing_input():
             for change in (
                 {"max_tokens": 11}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5}, {"seed": 1},
                 {"stop": ("\n",)}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                {"repetition_penalty": 1.1}, {"grammar": '{"grammars": []}'}, {"top_logprobs": 2},
             )
         ),
     ]
     assert len({key, *variants}) == len(variants) + 1
     assert reply_key(key).startswith("corechat:v2:")
+
+
+def test_tools_and_response_formats_key_their_own_replies_and_logprobs_bypass(make_settings, engine, backend):
+    app = build_app(make_settings, engine, backend)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    variants = [GREEDY, {**GREEDY, "tools": [tool]}, {**GREEDY, "tools": [tool], "tool_choice": "required"},
+                {**GREEDY, "response_format": {"type": "json_object"}}, {**GREEDY, "repetition_penalty": 1.2}]
+    assert len({key_of(app, body) for body in variants}) == len(variants)
+    with_logprobs = {**GREEDY, "logprobs": True}
+    assert [post(app, with_logprobs).headers["X-Cache"] for _ in range(2)] == ["bypass", "bypass"]
 
 
 def test_same_rendered_prompt_from_different_json_shares_an_entry(make_settings, engine, backend):

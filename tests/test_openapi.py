@@ -9,6 +9,9 @@ from contract import assert_matches_contract
 from service.openapi import openapi_document
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
+FORCED_CALL = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}],
+    "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40}
 
 
 def test_served_document_is_the_published_one(client):
@@ -48,6 +51,11 @@ def test_request_schema_is_generated_from_the_parser():
         ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "stream": True}, 200),
         ("post", "/v1/chat/completions", None,
          {"messages": USER, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, **FORCED_CALL}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, **FORCED_CALL, "stream": True}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}, 200),
+        ("post", "/v1/chat/completions", None,
+         {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "stream": True}, 200),
         ("post", "/v1/chat/completions", None, {"messages": USER, "temperature": 9}, 400),
         ("post", "/v1/chat/completions", None, {"messages": USER, "model": "gpt-4o"}, 404),
         ("post", "/v1/chat/completions", None, b"x" * (2 * 1024 * 1024), 413),

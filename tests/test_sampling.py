@@ -12,7 +12,9 @@ from service.engine.sampling import (
     SamplingParams,
     candidate_floors,
     kept_floors,
+    penalized,
     sample_tokens,
+    token_logprobs,
 )
 
 VOCAB = 5000
@@ -146,3 +148,34 @@ def test_non_finite_logits_raise_instead_of_drawing():
     samplers = [Sampler(SamplingParams(max_tokens=1, temperature=1.0, seed=1), 10) for _ in range(2)]
     with pytest.raises(ValueError, match="not finite"):
         sample_tokens(samplers, logits)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.5]])
+    sampler = Sampler(SamplingParams(max_tokens=5, temperature=0.0, repetition_penalty=2.0), 5, prompt_ids=[0, 1, 0])
+    assert penalized([sampler], logits).tolist() == [[1.0, -4.0, 2.0, -2.0, 1.5]]  # transformers' rule
+    sampler.record(2)
+    assert penalized([sampler], logits).tolist() == [[1.0, -4.0, 1.0, -2.0, 1.5]]
+    assert logits.tolist() == [[2.0, -2.0, 2.0, -2.0, 1.5]]  # the caller's logits are left as they were
+    # Greedy takes the unseen token 4 once both 2.0s are halved.
+    assert sample_tokens([sampler], logits) == [4]
+
+
+def test_logprobs_are_of_the_penalized_logits_over_the_temperature_before_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[2, 10:] = float("-inf")  # a grammar's mask: only ten tokens allowed
+    params = [SamplingParams(max_tokens=1, temperature=0.5, top_k=3, seed=1, logprobs=True, top_logprobs=5,
+                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=1, temperature=0.0, logprobs=False),
+              SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=20)]
+    samplers = [Sampler(each, 50, prompt_ids=[1, 2, 3]) for each in params]
+    tokens = sample_tokens(samplers, logits)
+    entries = token_logprobs(samplers, logits, tokens)
+    expected = torch.log_softmax(penalized(samplers[:1], logits[:1])[0] / 0.5, dim=-1)
+    assert entries[0].logprob == pytest.approx(float(expected[tokens[0]]), abs=1e-5)
+    assert [token for token, _ in entries[0].top] == torch.topk(expected, 5).indices.tolist()
+    assert entries[1] is None
+    greedy = torch.log_softmax(penalized(samplers[2:], logits[2:])[0], dim=-1)  # greedy: temperature 1
+    assert entries[2].top[0] == (tokens[2], pytest.approx(float(greedy[tokens[2]]), abs=1e-5))
+    assert len(entries[2].top) == 10, "forbidden tokens are no alternatives"

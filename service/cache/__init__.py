@@ -100,7 +100,8 @@ class ResponseCache:
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
         """
-        if opted_out or not fingerprint or not is_reproducible(prepared.params):
+        # A stored reply keeps its text, not its logprobs: requests for them always generate.
+        if opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs:
             return start(()), self._lookup_result("bypass")
         digest = cache_key(fingerprint, scope, prepared.prompt_ids, prepared.params)
         with self._flights_lock:

@@ -12,8 +12,10 @@ from .core import (
     TextDelta,
     events_until_last,
 )
+from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
+from .text import TokenLogprob
 
 __all__ = [
     "Engine",
@@ -22,10 +24,14 @@ __all__ = [
     "Failed",
     "Finished",
     "Generation",
+    "GrammarRefused",
     "ModelNotFound",
     "SamplingParams",
     "Started",
     "TemplateRefused",
     "TextDelta",
+    "TokenLogprob",
     "events_until_last",
+    "json_schema_grammar",
+    "tool_call_grammar",
 ]

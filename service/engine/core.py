@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
 from transformers import AutoConfig, DynamicCache
 
 from .loading import (
@@ -20,11 +20,12 @@ from .loading import (
     resolve_model_dir,
 )
 from .batching import DecodeBatch
+from .grammar import Grammars, mask_logits
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
 from .prepare import prepare_model
-from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, sample_tokens
-from .text import TextAssembler
+from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, TokenLogprobs, sample_tokens, token_logprobs
+from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class TextDelta:
     text: str
     # The tokens that completed this text since the previous piece: what a continuation is forced with.
     token_ids: tuple[int, ...] = ()
+    # Their log probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,12 @@ class Generation:
     with the prompt, count as completion tokens, and their text is not sent again.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = (), grammar=None):
         self.prompt_ids = prompt_ids
         self.params = params
         self.forced_ids = tuple(forced_ids)
+        # The llguidance matcher of params.grammar, advanced by each token of the reply.
+        self.grammar = grammar
         self.submitted_at = time.monotonic()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cancelled = threading.Event()
@@ -156,6 +161,7 @@ class _Sequence:
     completion_tokens: int = 0
     # Tokens taken since the last text piece went out, sent along with the next one.
     unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
@@ -172,11 +178,13 @@ class Engine:
         self.model_dir = None
         self.fingerprint = ""
         self.generation_defaults = None
+        self.grammars: Grammars | None = None
         self.context_length = 0
         # Cache tokens (padding included) this worker's running sequences may reach together.
         self.kv_token_budget = 0
         self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
         self._eos_ids: set[int] = set()
+        self._speller: TokenSpeller | None = None
         # Bounded by submit(): running plus queued stay within MAX_RUNNING + MAX_QUEUE, so a burst
         # submitted before this thread takes any is not refused while running places are free.
         self._pending: queue.Queue[Generation] = queue.Queue(maxsize=settings.request_places)
@@ -208,7 +216,10 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
-        bytes_per_token = kv_bytes_per_token(AutoConfig.from_pretrained(self.model_dir), DTYPES[self.settings.dtype])
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.grammars = Grammars(self.tokenizer, config.vocab_size, sorted(self._eos_ids))
+        self._speller = TokenSpeller(self.tokenizer)
+        bytes_per_token = kv_bytes_per_token(config, DTYPES[self.settings.dtype])
         self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
         self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
         self.facts["state"] = "loading"
@@ -331,7 +342,15 @@ class Engine:
 
     # Text ----------------------------------------------------------------------------------
 
-    def render_prompt(self, messages: list[dict]) -> str:
+    @property
+    def template_supports_tools(self) -> bool:
+        """Tell whether the chat template renders a `tools` list (a template that never reads it would drop them)."""
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str):
+            return False
+        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Render a conversation through the model's chat template, ready for the reply.
 
         Raise TemplateRefused when the template rejects the conversation: many templates call
@@ -340,7 +359,7 @@ class Engine:
         the request's, and raises as it is.
         """
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
         except TemplateSyntaxError:
             raise
         except TemplateError as exc:
@@ -350,17 +369,17 @@ class Engine:
         """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render a conversation for the reply and tokenize it, message text as ordinary text.
 
         Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
         cannot open a turn of its own; TRUST_CONTROL_TOKENS_IN_MESSAGES parses them as the template would.
         """
         if self.settings.trust_control_tokens_in_messages:
-            return self.encode(self.render_prompt(messages))
+            return self.encode(self.render_prompt(messages, tools))
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
             )
         except TemplateSyntaxError:
             raise
@@ -383,7 +402,9 @@ class Engine:
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
-        generation = Generation(prompt_ids, params, forced_ids)
+        # Made here, in the request's thread: the first one builds the view of the vocabulary, which the engine must not wait for.
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        generation = Generation(prompt_ids, params, forced_ids, grammar)
         if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
             raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
         full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
@@ -514,7 +535,7 @@ class Engine:
         cache, cached = self._prefixes.lookup(input_ids)
         sequence = _Sequence(
             generation=generation,
-            sampler=Sampler(generation.params, self.model.config.vocab_size),
+            sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
             text=TextAssembler(self.tokenizer, generation.params.stop),
             cache=cache if cache is not None else DynamicCache(config=self.model.config),
             started_at=now,
@@ -534,6 +555,8 @@ class Engine:
         for token_id in forced_ids:
             sequence.sampler.record(token_id)
             sequence.text.add(token_id)
+            if sequence.generation.grammar is not None:
+                sequence.generation.grammar.consume_token(token_id)
         sequence.completion_tokens = len(forced_ids)
 
     def _forced_reply_ended(self, sequence: _Sequence) -> bool:
@@ -566,6 +589,7 @@ class Engine:
                 )
                 if not sequence.next_input:
                     self._prefixes.store(sequence.generation.input_ids, sequence.cache)
+                    mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
             sequence.prompt_seconds += time.monotonic() - began
             if sequence.next_input:
                 return None
@@ -574,7 +598,9 @@ class Engine:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
             if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
                 return False
-            return self._advance(sequence, sample_tokens([sequence.sampler], output.logits[0, -1:])[0])
+            logits = output.logits[0, -1:]
+            token_id = sample_tokens([sequence.sampler], logits)[0]
+            return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
@@ -593,16 +619,19 @@ class Engine:
         try:
             with torch.inference_mode():
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
-            forward_done = time.perf_counter()
-            token_ids = sample_tokens([sequence.sampler for sequence in active], logits)
+                forward_done = time.perf_counter()
+                mask_logits(logits, [sequence.generation.grammar for sequence in active])
+            samplers = [sequence.sampler for sequence in active]
+            token_ids = sample_tokens(samplers, logits)
+            logprobs = token_logprobs(samplers, logits, token_ids)
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed")
             for sequence in active:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self._leave(active, batch, list(range(len(active))))
             return
-        ended = [row for row, (sequence, token_id) in enumerate(zip(active, token_ids, strict=True))
-                 if not self._advance_or_fail(sequence, token_id)]
+        ended = [row for row, (sequence, token_id, logprob) in enumerate(zip(active, token_ids, logprobs, strict=True))
+                 if not self._advance_or_fail(sequence, token_id, logprob)]
         self._leave(active, batch, ended)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
 
@@ -619,31 +648,36 @@ class Engine:
             batch.leave(rows)
             active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
 
-    def _advance_or_fail(self, sequence: _Sequence, token_id: int) -> bool:
+    def _advance_or_fail(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
         """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
         try:
-            return self._advance(sequence, token_id)
+            return self._advance(sequence, token_id, logprob)
         except Exception as exc:
             log.exception("a sequence failed while taking its next token")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             return False
 
-    def _advance(self, sequence: _Sequence, token_id: int) -> bool:
+    def _advance(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
         """Take a sequence's next token and deliver its text; return whether it goes on."""
         generation = sequence.generation
         if sequence.first_token_at is None:
             sequence.first_token_at = time.monotonic()
         sequence.sampler.record(token_id)
+        if generation.grammar is not None and not generation.grammar.consume_token(token_id):
+            raise ValueError(f"the grammar refused token {token_id}: {generation.grammar.get_error()}")
         sequence.completion_tokens += 1
         sequence.next_input = [token_id]
         if token_id in self._eos_ids:
             self._finish(sequence, "stop")
             return False
         sequence.unsent_ids.append(token_id)
+        if logprob is not None:
+            sequence.unsent_logprobs.append(self._speller.logprob(token_id, logprob.logprob, logprob.top))
         delta = sequence.text.add(token_id)
         if delta:
-            generation.send(TextDelta(delta, tuple(sequence.unsent_ids)))
+            generation.send(TextDelta(delta, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
             sequence.unsent_ids.clear()
+            sequence.unsent_logprobs.clear()
         if sequence.text.stopped:
             self._finish(sequence, "stop")
             return False
@@ -656,7 +690,7 @@ class Engine:
         """Send the held-back text and the final event of a sequence."""
         rest = sequence.text.finish() if finish_reason != "cancelled" else ""
         if rest:
-            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids)))
+            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
         self.facts["requests_finished"] += 1
         sequence.generation.send(

@@ -3,7 +3,7 @@
 import hashlib
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -37,6 +37,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     deadline_seconds: float | None = None
+    # > 1 lowers the logits of tokens already in the prompt or the reply (transformers' rule).
+    repetition_penalty: float = 1.0
+    # An llguidance grammar the reply must follow (service/engine/grammar.py), or None for free text.
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -60,14 +66,22 @@ class Sampler:
 
     params: SamplingParams
     vocab_size: int
+    # The prompt's tokens, which repetition_penalty counts as seen.
+    prompt_ids: InitVar[Sequence[int]] = ()
     seed: int = field(init=False)
     position: int = field(init=False, default=0)
     output_counts: torch.Tensor | None = field(init=False, default=None)
+    # Each token of the prompt and the reply once, in order of first sight (repetition_penalty only).
+    seen_ids: list[int] | None = field(init=False, default=None)
+    _seen: set[int] = field(init=False, default_factory=set, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self, prompt_ids: Sequence[int]):
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32)
+        if self.params.repetition_penalty != 1.0:
+            self.seen_ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
+            self._seen.update(self.seen_ids)
 
     def uniform(self) -> float:
         """Return the uniform number in [0, 1) that draws the token at the current position."""
@@ -79,6 +93,9 @@ class Sampler:
         self.position += 1
         if self.output_counts is not None and token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
+        if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
+            self._seen.add(token_id)
+            self.seen_ids.append(token_id)
 
 
 def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
@@ -100,13 +117,60 @@ def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int
     return tokens
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A drawn token's log probability and its row's most likely tokens with theirs (ids, most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(samplers: Sequence[Sampler], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprobs | None]:
+    """Return each row's log probabilities where its request asked for them (None elsewhere).
+
+    They are those of the distribution the token was drawn from: the same penalized logits
+    sample_tokens computes (call this before the samplers record the tokens), over the
+    temperature (1 for greedy rows), before top_k and top_p cut it.
+    """
+    rows = [row for row, sampler in enumerate(samplers) if sampler.params.logprobs]
+    result: list[TokenLogprobs | None] = [None] * len(samplers)
+    if not rows:
+        return result
+    asking = [samplers[row] for row in rows]
+    scores = penalized(asking, take_rows(logits, rows).float())
+    temperatures = torch.tensor([[1.0 if sampler.params.greedy else sampler.params.temperature] for sampler in asking])
+    # Shifted first, as draw() does, so a small temperature cannot overflow the largest logit.
+    logprobs = torch.log_softmax((scores - scores.amax(dim=-1, keepdim=True)) / temperatures, dim=-1)
+    width = max(sampler.params.top_logprobs for sampler in asking)
+    top = torch.topk(logprobs, width, dim=-1) if width else None
+    for slot, (row, sampler) in enumerate(zip(rows, asking, strict=True)):
+        pairs = ()
+        if top is not None and sampler.params.top_logprobs:
+            count = sampler.params.top_logprobs
+            # A token the grammar forbids (-inf) is no alternative.
+            pairs = tuple((token, value) for token, value in zip(top.indices[slot, :count].tolist(), top.values[slot, :count].tolist())
+                          if value != float("-inf"))
+        result[row] = TokenLogprobs(float(logprobs[slot, tokens[row]]), pairs)
+    return result
+
+
 def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Return the given rows of a tensor, without a copy where they are all of them in order."""
     return tensor if rows == list(range(tensor.shape[0])) else tensor[rows]
 
 
 def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
-    """Return the logits lowered by each row's presence and frequency penalties (a new tensor where any apply)."""
+    """Return the logits lowered by each row's repetition, then presence and frequency penalties (a new
+    tensor where any apply), in the order vLLM applies them."""
+    repeated = [row for row, sampler in enumerate(samplers) if sampler.seen_ids]
+    if repeated:
+        logits = logits.clone()
+        for row in repeated:
+            # Only the seen tokens change: a few hundred indexed values, not a pass over the vocabulary.
+            seen = torch.tensor(samplers[row].seen_ids)
+            values = logits[row, seen]
+            penalty = samplers[row].params.repetition_penalty
+            logits[row, seen] = torch.where(values < 0, values * penalty, values / penalty)
     rows = [row for row, sampler in enumerate(samplers) if sampler.output_counts is not None]
     if not rows:
         return logits

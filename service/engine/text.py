@@ -1,6 +1,49 @@
 """Turn generated token ids into text pieces that are whole characters and never show a stop string."""
 
+from dataclasses import dataclass
+
 from tokenizers.decoders import DecodeStream
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Return the byte each character of a byte-level BPE token stands for (GPT-2's printable mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 256)]
+    shifted = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(shifted)}}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token as logprobs report it: its text (bytes of a split character shown as U+FFFD), bytes and log probability."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+
+class TokenSpeller:
+    """Spell token ids as the bytes they stand for (a byte-level BPE vocabulary, added tokens as written)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._alphabet = byte_level_alphabet()
+        self._added = {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """Return the bytes a token stands for (none for an id past the vocabulary)."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        return bytes(self._alphabet[char] for char in piece if char in self._alphabet)
+
+    def logprob(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> TokenLogprob:
+        """Return a token's logprob entry, with its alternatives'."""
+        data = self.bytes_of(token_id)
+        alternatives = tuple(self.logprob(other, value) for other, value in top)
+        return TokenLogprob(data.decode("utf-8", errors="replace"), tuple(data), logprob, alternatives)
 
 
 class StopStringFilter:
