@@ -50,7 +50,8 @@ serve: demo-model
 	MODEL="$${MODEL:-$(DEMO_MODEL_DIR)}" $(VENV)/bin/gunicorn -c gunicorn.conf.py
 
 test: system-deps setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # The benchmark beside llama.cpp's llama-server (minutes; builds the 0.5B dev model and llama.cpp
 # once under ~/.cache/corechat, about 10 minutes the first time); see docs/performance.md.

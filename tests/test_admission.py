@@ -7,9 +7,13 @@ tiny model, driven by one selector loop (tests/loadgen.py) so the client adds no
 
 import statistics
 
+import pytest
+
 from loadgen import chat_exchange, probe_exchanges, run_exchanges
 from service.settings import Settings
 from support import COUNTING, chat, send_until_every_worker_served, value, wait_for_samples
+
+pytestmark = pytest.mark.serial
 
 DEFAULTS = Settings.model_construct()
 CAPACITY_PER_WORKER = DEFAULTS.max_running + DEFAULTS.max_queue

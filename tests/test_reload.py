@@ -21,6 +21,8 @@ import requests
 from service.reload import alive, children
 from support import COUNTING, REPO, GunicornServer, ready_facts, scrape, value
 
+pytestmark = pytest.mark.serial
+
 CLIENTS = {"whole": 2, "stream": 2}
 STALL_SECONDS = 2.0  # no request may wait longer than this for its response to begin
 

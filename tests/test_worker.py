@@ -8,9 +8,13 @@ import socket
 import statistics
 import time
 
+import pytest
+
 from loadgen import Exchange, chat_exchange, probe_exchanges, run_exchanges
 from service.settings import Settings
 from support import COUNTING, scrape, value, wait_for_samples
+
+pytestmark = pytest.mark.serial
 
 DEFAULTS = Settings.model_construct()
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
