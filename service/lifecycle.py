@@ -105,7 +105,8 @@ def exit_after_engine_failure(worker, failures_file: Path, reason: str, while_lo
         with failures_file.open("a") as failures:
             failures.write(f"{os.getpid()}\n")
         attempts = len(failures_file.read_text().splitlines())
-        if attempts >= MODEL_LOAD_ATTEMPTS:
+        # Exactly one worker stops the master: two HaltServers at once leave Gunicorn another exit status.
+        if attempts == MODEL_LOAD_ATTEMPTS:
             log.critical("the model failed to load in %d workers in a row (last: %s); stopping the server",
                          attempts, reason)
             worker.exit_status = WORKER_BOOT_ERROR
