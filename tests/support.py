@@ -64,6 +64,16 @@ def send_until_every_worker_served(server, send_round, most_rounds: int) -> dict
     return served
 
 
+def wait_until(predicate, timeout: float) -> bool:
+    """Poll predicate until it holds or timeout seconds pass; return whether it held."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def anonymous_megabytes(pid: int | str = "self") -> float:
     """Return a process's anonymous memory in MB (this process's by default)."""
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from fault_injection import LOOP_FAULT_SEED, SEQUENCE_FAULT_SEED
-from support import COUNTING, REPO, GunicornServer, free_port
+from support import COUNTING, REPO, GunicornServer, free_port, wait_until
 
 # Generations outlast each test step; MAX_GENERATION_SECONDS ends them in bounded time.
 ENDLESS = {"messages": COUNTING, "max_tokens": 30_000, "temperature": 0, "stream": True}
@@ -71,16 +71,6 @@ def readyz(server) -> tuple[int, dict]:
     """Return the single worker's /readyz status code and body."""
     response = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=10)
     return response.status_code, response.json()
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    """Poll predicate until it holds or timeout seconds pass; return whether it held."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_fault_in_one_sequence_fails_it_alone_and_the_others_complete(fault_server):

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from support import COUNTING, GunicornServer, ready_facts
+from support import COUNTING, GunicornServer, ready_facts, wait_until
 
 # Long enough to outlast every test step; the server's max_generation_seconds ends it in bounded time.
 ENDLESS = {"messages": COUNTING, "max_tokens": 30_000, "temperature": 0}
@@ -43,16 +43,6 @@ def readyz(server) -> dict:
     return requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=10).json()
 
 
-def wait_for(predicate, timeout: float) -> bool:
-    """Poll predicate until it is true or timeout seconds pass; return its last value."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def wait_engine_idle(server, timeout: float = 60) -> None:
     """Wait until the single worker runs and queues nothing (the previous test's leftovers ended)."""
     def idle() -> bool:
@@ -60,7 +50,7 @@ def wait_engine_idle(server, timeout: float = 60) -> None:
         facts = readyz(server)
         return facts["running"] + facts["waiting"] == 0
 
-    assert wait_for(idle, timeout)
+    assert wait_until(idle, timeout)
 
 
 class RawStream:
@@ -134,7 +124,7 @@ def test_hanging_up_mid_stream_frees_the_slot_for_the_next_request(single_slot_s
     assert readyz(single_slot_server)["running"] == 1
     stream.hang_up()
     assert time_a_one_token_request(single_slot_server) < LIVENESS_SECONDS
-    assert wait_for(lambda: readyz(single_slot_server)["running"] == 0, 5)
+    assert wait_until(lambda: readyz(single_slot_server)["running"] == 0, 5)
 
 
 def test_hanging_up_while_queued_frees_the_queue_place(single_slot_server):
@@ -145,7 +135,7 @@ def test_hanging_up_while_queued_frees_the_queue_place(single_slot_server):
     queued.read_until(b": ping")
     assert readyz(single_slot_server)["waiting"] == 1
     queued.hang_up()  # the next `: ping` write fails, which cancels the queued generation
-    assert wait_for(lambda: readyz(single_slot_server)["waiting"] == 0, LIVENESS_SECONDS)
+    assert wait_until(lambda: readyz(single_slot_server)["waiting"] == 0, LIVENESS_SECONDS)
     blocker.hang_up()
     assert time_a_one_token_request(single_slot_server) < LIVENESS_SECONDS
 
@@ -153,7 +143,7 @@ def test_hanging_up_while_queued_frees_the_queue_place(single_slot_server):
 def test_hanging_up_on_a_non_streamed_request_stops_its_generation(single_slot_server):
     wait_engine_idle(single_slot_server)
     waiting_whole = RawStream(single_slot_server, ENDLESS)
-    assert wait_for(lambda: readyz(single_slot_server)["running"] == 1, LIVENESS_SECONDS)
+    assert wait_until(lambda: readyz(single_slot_server)["running"] == 1, LIVENESS_SECONDS)
     waiting_whole.hang_up()  # nothing is written until the end: the socket is watched instead
     assert time_a_one_token_request(single_slot_server) < LIVENESS_SECONDS
 
@@ -163,9 +153,9 @@ def test_hanging_up_on_a_queued_non_streamed_request_frees_the_queue_place(singl
     blocker = RawStream(single_slot_server, {**ENDLESS, "stream": True})
     blocker.read_until(TOKEN)
     queued_whole = RawStream(single_slot_server, ENDLESS)
-    assert wait_for(lambda: readyz(single_slot_server)["waiting"] == 1, LIVENESS_SECONDS)
+    assert wait_until(lambda: readyz(single_slot_server)["waiting"] == 1, LIVENESS_SECONDS)
     queued_whole.hang_up()
-    assert wait_for(lambda: readyz(single_slot_server)["waiting"] == 0, LIVENESS_SECONDS)
+    assert wait_until(lambda: readyz(single_slot_server)["waiting"] == 0, LIVENESS_SECONDS)
     blocker.hang_up()
 
 
