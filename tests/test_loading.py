@@ -51,6 +51,35 @@ def test_sharded_checkpoint_loads_to_the_same_model(tiny_model_dir, tmp_path):
         assert torch.equal(single(input_ids=ids).logits, sharded(input_ids=ids).logits)
 
 
+def file_mappings(path) -> list[tuple[int, int, str]]:
+    """Return this process's memory mappings of a file: (start, end, permissions)."""
+    mappings = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) == 6 and fields[5] == str(path):
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                mappings.append((start, end, fields[1]))
+    return mappings
+
+
+def test_served_parameters_lie_inside_one_private_mapping_of_the_weights_file(tiny_model_dir):
+    """Every parameter of a bfloat16 model is a view of the file's one copy-on-write map, not a copy:
+    so the page cache holds the weights once for all workers."""
+    path = tiny_model_dir / "model.safetensors"
+    model = load_model(tiny_model_dir, torch.bfloat16)
+    mappings = file_mappings(path)
+    holding = set()
+    for name, param in model.named_parameters():
+        start, end = param.data_ptr(), param.data_ptr() + param.nbytes
+        inside = [mapping for mapping in mappings if mapping[0] <= start and end <= mapping[1]]
+        assert inside, f"{name} is not inside a mapping of {path}"
+        holding.update(inside)
+    assert len(holding) == 1, "the parameters come from more than one mapping of the file"
+    (_, _, permissions), = holding
+    assert permissions.endswith("p"), "the map must be private, so nothing is ever written back to the file"
+
+
 def test_float32_serving_converts_bf16_weights(tiny_model_dir):
     model = load_model(tiny_model_dir, torch.float32)
     assert {param.dtype for param in model.parameters()} == {torch.float32}

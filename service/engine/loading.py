@@ -3,26 +3,17 @@
 import hashlib
 import json
 import logging
-import struct
 import threading
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .attention import ATTENTION
 
 log = logging.getLogger(__name__)
 
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
 FINGERPRINT_STRIDE = 8 * 1024 * 1024
 FINGERPRINT_SAMPLE = 64 * 1024
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
@@ -98,23 +89,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Return every tensor of a safetensors file as a view of one read-only memory map.
 
-    The map is private (copy-on-write) and never written, so all workers read the same page-cache
-    pages: N workers cost one copy of the weights, not N.
+    safetensors' torch loader maps the file once (`torch.UntypedStorage.from_file(path, shared=False)`)
+    and hands out zero-copy slices of that storage. The map is private (copy-on-write) and never
+    written, so all workers read the same page-cache pages: N workers cost one copy of the weights,
+    not N (tests/test_loading.py checks that every tensor lies inside the file's one mapping).
     """
-    with path.open("rb") as file:
-        (header_size,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(header_size))
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
-    raw = torch.tensor([], dtype=torch.uint8).set_(storage)
-    data_start = 8 + header_size
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        tensors[name] = raw[data_start + begin : data_start + end].view(dtype).view(info["shape"])
-    return tensors
+    return load_file(path)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype):
