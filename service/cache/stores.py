@@ -13,8 +13,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 # Only the lock's holder may release it, renew it (and with it its flight stream) or write to the stream:
-# a leader whose lease lapsed can never write after the one that took over began. Hand-written rather
-# than redis-py's Lock, whose scripts cover the lock alone, not a write guarded by it.
+# a leader whose lease lapsed can never write after the one that took over began. Acquiring is the same
+# SET NX PX as redis-py's Lock, and the lease is renewed from the flight's thread either way (Lock has
+# no watchdog). Hand-written rather than redis-py's Lock because its scripts (release, extend,
+# reacquire) guard the lock key alone: it has no write made conditional on holding the lock, and
+# `owned()` then XADD leaves a window in which a leader whose lease just lapsed appends after the
+# worker that took over began its run; its extend cannot keep the flight stream alive in the same
+# step; and LocalStore offers these same primitives without Redis, so the scripts would still read the
+# key Lock writes.
 RELEASE_SCRIPT = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
