@@ -298,6 +298,25 @@ def leave_a_dead_leaders_run(app, body, pieces: list[TextDelta], lease_seconds: 
         assert store.append(lock_key(digest), "dead-leader", flight_key(digest), record.encode(), restart=index == 0)
 
 
+def test_a_holder_whose_lease_lapsed_can_neither_write_renew_nor_release_after_a_takeover(backend):
+    """The lock fences the flight stream's writes (what redis-py's Lock alone does not give): a leader
+    that lost its lease never appends after, nor renews or frees the lock of, the worker that took over."""
+    from service.cache.stores import LocalStore, RedisStore
+
+    store = RedisStore(backend, connect_timeout=1.0, socket_timeout=1.0, wait_seconds=0.2) if backend else LocalStore(8)
+    lock, stream = lock_key("fence"), flight_key("fence")
+    assert store.acquire(lock, "leader", 0.3)
+    assert store.append(lock, "leader", stream, {"k": "begin", "run": "first"}, restart=True)
+    time.sleep(0.5)  # the leader stalls past its lease
+    assert store.acquire(lock, "taker", 5.0)
+    assert store.append(lock, "taker", stream, {"k": "begin", "run": "second"}, restart=True)
+    assert not store.append(lock, "leader", stream, {"k": "piece", "run": "first", "text": "x", "ids": "1"})
+    assert not store.renew(lock, "leader", 5.0, stream)
+    store.release(lock, "leader")
+    assert store.holder(lock) == "taker"
+    assert [fields["run"] for _, fields in store.read_all(stream)] == ["second"]
+
+
 def test_identical_requests_in_one_worker_cost_one_generation(make_settings, engine, backend):
     app = build_app(make_settings, engine, backend)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
