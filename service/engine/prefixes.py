@@ -1,5 +1,11 @@
 """Keep the KV state of recent prompts so a shared system prompt or a conversation's earlier turns
-are not processed again (one store per worker, owned by its engine thread)."""
+are not processed again (one store per worker, owned by its engine thread).
+
+Caches are read and built through DynamicLayer's `keys`, `values` and `lazy_initialization`:
+transformers has no public call that builds a cache from tensors without copying them (its
+`DynamicCache(ddp_cache_data)` goes through `update`). Those internals change between releases;
+tests/test_prefixes.py pins them, so an upgrade that moves them fails there first.
+"""
 
 from collections import OrderedDict
 
