@@ -16,7 +16,8 @@ KERNEL_SOURCES := $(wildcard service/engine/kernels/csrc/*) service/engine/kerne
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(PY) requirements.txt requirements-dev.txt
+# requirements-dev.txt includes requirements-devmodel.txt, which `make serve` needs for the demo model.
+$(VENV)/.installed: $(PY) requirements.txt requirements-devmodel.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@

