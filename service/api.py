@@ -9,7 +9,7 @@ from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
 from .limits import read_request_body
-from .observed import observe
+from .observed import EngineWork, observe
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -40,7 +40,7 @@ def create_chat_completion():
     reply, cache_status = cache.open(
         prepared,
         chat.engine.fingerprint,
-        lambda forced_ids: chat.start(prepared, forced_ids),
+        lambda forced_ids: EngineWork(chat.start(prepared, forced_ids)),
         scope=cache.scope(caller_key_hash()),
         opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
     )

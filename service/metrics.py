@@ -74,8 +74,20 @@ requests_total = Counter(
     "Chat completion requests by outcome: finish reason, cancelled, or error code.",
     ["outcome"],
 )
-prompt_tokens_total = Counter("corechat_prompt_tokens", "Prompt tokens of finished requests.")
-generation_tokens_total = Counter("corechat_generation_tokens", "Tokens generated for finished requests.")
+# The engine's work, as vLLM's token counters: every generation once, however many requests read it.
+prompt_tokens_total = Counter(
+    "corechat_prompt_tokens", "Prompt tokens the engines processed (a continued reply's earlier tokens included)."
+)
+generation_tokens_total = Counter("corechat_generation_tokens", "Tokens the engines generated.")
+# What clients got without the engine working for them: the usage of replayed replies.
+replayed_prompt_tokens_total = Counter(
+    "corechat_replayed_prompt_tokens",
+    "Prompt tokens of replies replayed from the response cache or an identical request's generation.",
+)
+replayed_generation_tokens_total = Counter(
+    "corechat_replayed_generation_tokens",
+    "Completion tokens of replies replayed from the response cache or an identical request's generation.",
+)
 cache_lookups_total = Counter(
     "corechat_cache_lookups", "Response cache lookups by result: hit, miss, bypass or error.", ["result"]
 )

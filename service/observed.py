@@ -1,7 +1,9 @@
-"""A generation seen by the metrics: it passes the engine's events through and times them.
+"""Generations seen by the metrics: wrappers that pass the events through and count and time them.
 
-The wrapper has the interface of the engine's Generation (`next_event`, `events`, `cancel`), so the
-serving class streams from it unchanged and the engine needs no instrumentation of its own.
+The wrappers have the interface of the engine's Generation (`next_event`, `events`, `cancel`), so the
+serving class and the cache read them unchanged and the engine needs no instrumentation of its own.
+`EngineWork` wraps each generation the engine runs and counts its tokens; `ObservedGeneration`
+wraps each request's source (the engine's or the cache's) and records what its client saw.
 """
 
 import logging
@@ -19,6 +21,53 @@ log = logging.getLogger(__name__)
 def ms(seconds: float) -> str:
     """Format seconds as milliseconds for a log line."""
     return f"{seconds * 1000:.1f}"
+
+
+class EngineWork:
+    """Count the tokens the engine processed for one generation, once, whoever reads it.
+
+    A generation is read by its one request, or by the single-flight relay that feeds every request
+    asking for the same reply: wrapping it here, not per request, counts the engine's work once.
+    """
+
+    def __init__(self, generation):
+        self.generation = generation
+        self.sent_tokens = 0
+        self._counted = False
+        self._lock = threading.Lock()
+
+    def next_event(self, timeout: float | None = None):
+        """Return the generation's next event (or None on timeout), counting its tokens at its end."""
+        event = self.generation.next_event(timeout=timeout)
+        if isinstance(event, TextDelta):
+            self.sent_tokens += len(event.token_ids)
+        elif isinstance(event, Finished):
+            # A continuation's forced tokens are in completion_tokens, but the engine processed them as prompt.
+            forced = len(self.generation.forced_ids)
+            self._count(processed_prompt=event.completion_tokens > 0,
+                        generated=max(0, event.completion_tokens - forced))
+        elif isinstance(event, Failed):
+            self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
+        return event
+
+    def events(self):
+        """Yield every event up to and including the last one."""
+        return events_until_last(self)
+
+    def cancel(self) -> None:
+        """Cancel the generation, counting what it sent: nobody may read its last event after this."""
+        self.generation.cancel()
+        self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
+
+    def _count(self, *, processed_prompt: bool, generated: int) -> None:
+        """Add the generation's tokens to the engine's counters, the first time only."""
+        with self._lock:
+            if self._counted:
+                return
+            self._counted = True
+        if processed_prompt:
+            metrics.prompt_tokens_total.inc(len(self.generation.input_ids))
+        metrics.generation_tokens_total.inc(generated)
 
 
 class ObservedGeneration:
@@ -79,13 +128,17 @@ class ObservedGeneration:
 
     def _finish(self, finished: Finished) -> None:
         """Record the engine's own timings and the reply's token counts, then end the request."""
-        # Token counters follow the usage every response reports, cached or not; the engine's timing
-        # histograms take only replies the engine generated (a cache replay's timings are zeros).
+        # The engine's token counters are EngineWork's; a reply this worker did not generate at all
+        # (a cache hit, or a follower of another request's run) counts as replayed. The engine's
+        # timing histograms take only replies the engine generated (a cache replay's timings are zeros).
+        # A follower whose flight took over generating holds text this engine made: not replayed.
+        if finished.cached and not getattr(self.source, "generated", False):
+            metrics.replayed_prompt_tokens_total.inc(finished.prompt_tokens)
+            metrics.replayed_generation_tokens_total.inc(finished.completion_tokens)
         # No completion tokens: the engine never ran the prompt (cancelled while queued).
         if finished.completion_tokens > 0:
             if not finished.cached:
                 metrics.prompt_processing_seconds.observe(finished.prompt_seconds)
-            metrics.prompt_tokens_total.inc(finished.prompt_tokens)
             if self.first_text_at is None:
                 # The reply had no text (an immediate EOS, or only held-back bytes): its first
                 # token reached the client with this final event.
@@ -94,7 +147,6 @@ class ObservedGeneration:
         # and blind to text held back for a stop string, which per-delta gaps would count.
         if finished.completion_tokens > 1 and not finished.cached:
             metrics.inter_token_latency_seconds.observe(finished.decode_seconds / (finished.completion_tokens - 1))
-        metrics.generation_tokens_total.inc(finished.completion_tokens)
         if not finished.cached and self.first_text_at is not None:
             self._log_first_token(finished)
         self._end(finished.finish_reason)

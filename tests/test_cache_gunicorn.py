@@ -85,13 +85,18 @@ def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_
     assert all(reply["chunks"] == leader["chunks"] for reply in followers)
     assert all(reply["first_content_at"] < leader["done_at"] for reply in followers)
     samples_after = scrape(two_workers)
-    assert value(samples_after, "corechat_singleflight_followers_total") - value(
-        samples_before, "corechat_singleflight_followers_total"
-    ) == 3
+
+    def delta(name):
+        """Return how much a counter rose across the four requests."""
+        return value(samples_after, name) - value(samples_before, name)
+
+    assert delta("corechat_singleflight_followers_total") == 3
+    # One generation's tokens are the engine's; the three followers' are replayed.
+    assert delta("corechat_generation_tokens_total") > 0
+    assert delta("corechat_replayed_generation_tokens_total") == 3 * delta("corechat_generation_tokens_total")
+    assert delta("corechat_replayed_prompt_tokens_total") == 3 * delta("corechat_prompt_tokens_total") > 0
     # Followers are answered from the cache: the engine's prompt time is observed once, for the leader.
-    assert value(samples_after, "corechat_prompt_processing_seconds_count") - value(
-        samples_before, "corechat_prompt_processing_seconds_count"
-    ) == 1
+    assert delta("corechat_prompt_processing_seconds_count") == 1
 
 
 def test_cache_hit_is_counted_and_its_first_token_lands_in_a_fast_bucket(two_workers):
@@ -115,9 +120,11 @@ def test_cache_hit_is_counted_and_its_first_token_lands_in_a_fast_bucket(two_wor
     assert delta("corechat_time_to_first_token_seconds_count") == 1
     # A liveness bound, not a speed claim: a replay from Redis takes milliseconds, a 50 ms bucket is generous.
     assert delta("corechat_time_to_first_token_seconds_bucket", le="0.05") == 1
-    # The hit's usage is counted as a fresh reply's, but its zero timings stay out of the engine's histograms.
-    assert delta("corechat_generation_tokens_total") == replayed.json()["usage"]["completion_tokens"]
-    assert delta("corechat_prompt_tokens_total") == replayed.json()["usage"]["prompt_tokens"]
+    # The hit's usage counts as replayed, not as the engine's work, and its zero timings stay out of
+    # the engine's histograms.
+    assert delta("corechat_replayed_generation_tokens_total") == replayed.json()["usage"]["completion_tokens"] > 0
+    assert delta("corechat_replayed_prompt_tokens_total") == replayed.json()["usage"]["prompt_tokens"]
+    assert delta("corechat_generation_tokens_total") == delta("corechat_prompt_tokens_total") == 0
     for engine_only in ("queue_wait", "prompt_processing", "inter_token_latency"):
         assert delta(f"corechat_{engine_only}_seconds_count") == 0, engine_only
 

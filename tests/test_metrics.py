@@ -19,7 +19,7 @@ from service import metrics
 from service.cache import Flight
 from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
-from service.observed import ObservedGeneration
+from service.observed import EngineWork, ObservedGeneration
 
 STREAMS = 4
 
@@ -132,8 +132,10 @@ def test_token_counters_equal_the_usage_of_responses_across_both_workers(server)
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
+    # Every reply was generated: the engine's counters take its usage, the replayed ones nothing.
     assert delta("corechat_prompt_tokens_total") == sum(usage["prompt_tokens"] for usage in usages)
     assert delta("corechat_generation_tokens_total") == sum(usage["completion_tokens"] for usage in usages)
+    assert delta("corechat_replayed_prompt_tokens_total") == delta("corechat_replayed_generation_tokens_total") == 0
     sent = len(usages)
     assert delta("corechat_requests_total", outcome="length") + delta("corechat_requests_total", outcome="stop") == sent
     for histogram in ("time_to_first_token", "request_duration", "queue_wait", "prompt_processing"):
@@ -267,8 +269,9 @@ def local_value(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timings():
-    """A cache hit is a request with usage and a first token, but its zero timings are not the engine's."""
+def test_cache_replay_counts_as_replayed_tokens_and_fast_first_token_but_no_engine_work():
+    """A cache hit is a request with usage and a first token, but neither its tokens nor its zero
+    timings are the engine's."""
     fast_bucket = {"le": str(metrics.LATENCY_BUCKETS[0])}
     engine_only = ("queue_wait", "prompt_processing", "inter_token_latency")
     before = {
@@ -276,6 +279,8 @@ def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timing
         "stop": local_value("corechat_requests_total", outcome="stop"),
         "prompt": local_value("corechat_prompt_tokens_total"),
         "generated": local_value("corechat_generation_tokens_total"),
+        "replayed_prompt": local_value("corechat_replayed_prompt_tokens_total"),
+        "replayed_generated": local_value("corechat_replayed_generation_tokens_total"),
         **{name: local_value(f"corechat_{name}_seconds_count") for name in engine_only},
     }
     replay = ObservedGeneration(
@@ -285,29 +290,38 @@ def test_cache_replay_counts_its_usage_and_fast_first_token_but_no_engine_timing
     replay.cancel()
     assert local_value("corechat_time_to_first_token_seconds_bucket", **fast_bucket) == before["fast"] + 1
     assert local_value("corechat_requests_total", outcome="stop") == before["stop"] + 1
-    assert local_value("corechat_prompt_tokens_total") == before["prompt"] + 9
-    assert local_value("corechat_generation_tokens_total") == before["generated"] + 2
+    assert local_value("corechat_replayed_prompt_tokens_total") == before["replayed_prompt"] + 9
+    assert local_value("corechat_replayed_generation_tokens_total") == before["replayed_generated"] + 2
+    assert local_value("corechat_prompt_tokens_total") == before["prompt"]
+    assert local_value("corechat_generation_tokens_total") == before["generated"]
     for name in engine_only:
         assert local_value(f"corechat_{name}_seconds_count") == before[name], name
     assert local_value("corechat_requests_waiting") == 0
     assert local_value("corechat_requests_running") == 0
 
 
-def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled(engine):
+def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled_and_the_engines_work(engine):
+    """A client that leaves mid-stream never reads its generation's last event: the engine's counters
+    still take the prompt and the tokens it was sent."""
     cancelled = local_value("corechat_requests_total", outcome="cancelled")
+    prompt, generated = local_value("corechat_prompt_tokens_total"), local_value("corechat_generation_tokens_total")
     prompt_ids = engine.encode(engine.render_prompt(COUNTING))
     observed = ObservedGeneration(
-        engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0)), arrived_at=time.monotonic()
+        EngineWork(engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0))),
+        arrived_at=time.monotonic(),
     )
     assert local_value("corechat_requests_waiting") == 1
-    while not isinstance(observed.next_event(timeout=30), TextDelta):
+    while not isinstance(event := observed.next_event(timeout=30), TextDelta):
         pass
+    sent = len(event.token_ids)
     assert local_value("corechat_requests_running") == 1
     assert local_value("corechat_requests_waiting") == 0
     observed.cancel()
     observed.cancel()  # the serving class cancels in `finally`, after a client already went away
     assert local_value("corechat_requests_running") == 0
     assert local_value("corechat_requests_total", outcome="cancelled") == cancelled + 1
+    assert local_value("corechat_prompt_tokens_total") == prompt + len(prompt_ids)
+    assert local_value("corechat_generation_tokens_total") == generated + sent > generated
 
 
 def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, caplog):
