@@ -76,9 +76,7 @@ def measure_in_process(model_dir: Path, repetitions: int, threads: int) -> dict:
     """Run the engine in this process and time each step of the first token."""
     import torch
 
-    from service.engine import Finished, SamplingParams, Started, TextDelta
-    from service.engine import core
-    from service.engine.core import Engine
+    from service.engine import Engine, Finished, SamplingParams, Started, TextDelta, scheduler
     from service.settings import Settings
 
     torch.set_num_threads(threads)
@@ -94,7 +92,7 @@ def measure_in_process(model_dir: Path, repetitions: int, threads: int) -> dict:
     engine.model.lm_head.register_forward_hook(
         lambda module, args, output: output_layer.append(time.perf_counter() - began_at[-1]))
     sampling: list[float] = []
-    sample_tokens = core.sample_tokens
+    sample_tokens = scheduler.sample_tokens
 
     def timed_sample_tokens(samplers, logits):
         """Sample as the engine does, timing it (the probe's only change to the engine)."""
@@ -103,7 +101,7 @@ def measure_in_process(model_dir: Path, repetitions: int, threads: int) -> dict:
         sampling.append(time.perf_counter() - began)
         return tokens
 
-    core.sample_tokens = timed_sample_tokens
+    scheduler.sample_tokens = timed_sample_tokens
     for _ in range(repetitions):
         messages = short_chat(f"ft-{uuid.uuid4().hex[:8]}")
         began = time.perf_counter()

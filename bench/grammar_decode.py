@@ -7,7 +7,7 @@ with the settings' defaults, one thread, and submits 1 or 8 greedy generations a
 unbounded, so replies run their full length, mostly inside strings). Decode tok/s is the tokens
 generated after each stream's first, over the time from the first stream's first token to the
 last stream's end; the best of `rounds`. Since tok/s on a shared machine moves by several percent
-between runs, the probe also times the engine's masking itself (service.engine.core.mask_logits,
+between runs, the probe also times the engine's masking itself (service.engine.scheduler.mask_logits,
 wrapped) and reports its median per decode step and its share of the schema run's step time. It
 prints a table and writes bench/results/grammar-decode.json and .md.
 """
@@ -26,13 +26,13 @@ import torch  # noqa: E402
 from bench import save_results  # noqa: E402
 from bench.grammar_probe import SCHEMA  # noqa: E402
 from service.engine import Engine, Finished, SamplingParams, Started, TextDelta, json_schema_grammar  # noqa: E402
-from service.engine import core  # noqa: E402
+from service.engine import scheduler  # noqa: E402
 
 STREAMS = (1, 8)
 MASK_SECONDS: list[float] = []
 
 
-def timed_mask_logits(logits, matchers, mask_logits=core.mask_logits) -> None:
+def timed_mask_logits(logits, matchers, mask_logits=scheduler.mask_logits) -> None:
     """Mask as the engine does, recording how long it took when any row has a grammar (the prompt
     passes' few calls among them; the median is the decode steps')."""
     began = time.perf_counter()
@@ -68,7 +68,7 @@ def main() -> None:
     from service.settings import Settings
 
     torch.set_num_threads(1)
-    core.mask_logits = timed_mask_logits
+    scheduler.mask_logits = timed_mask_logits
     model_dir = build_dev_model(Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b", "qwen2.5-0.5b")
     engine = Engine(Settings(model=str(model_dir), dtype=args.dtype, prefix_cache_mb=0))
     engine.start()

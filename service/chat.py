@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from .engine import (
     EngineOverloaded,
     EngineUnavailable,
+    EventSource,
     Failed,
     Finished,
+    Generation,
     GrammarRefused,
     SamplingParams,
     Started,
@@ -192,7 +194,7 @@ class ChatCompletions:
         configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
         return openai_default if configured is None else type(openai_default)(configured)
 
-    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()):
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
             return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
@@ -232,7 +234,7 @@ class ChatCompletions:
             "total_tokens": finished.prompt_tokens + finished.completion_tokens,
         }
 
-    def stream(self, prepared: PreparedChat, source):
+    def stream(self, prepared: PreparedChat, source: EventSource):
         """Yield the SSE text of a reply; `source` gives engine events (a Generation or a replay).
 
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
@@ -288,7 +290,7 @@ class ChatCompletions:
             return "tool_calls"
         return finished.finish_reason
 
-    def complete(self, prepared: PreparedChat, source) -> dict:
+    def complete(self, prepared: PreparedChat, source: EventSource) -> dict:
         """Wait for the whole reply and return a chat.completion object."""
         pieces, logprobs = [], []
         try:

@@ -14,6 +14,9 @@ the view waits for the reply). HTTP/1.0 has no 1xx responses: there, end of file
 import logging
 import socket
 import time
+from collections.abc import Iterator
+
+from .engine import Event, EventSource, Failed, Finished
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +64,14 @@ class ClientWatch:
         return False
 
 
-class WatchedSource:
-    """An engine event source that cancels itself when the client's connection closes."""
+class WatchedSource(EventSource):
+    """An event source that cancels itself when the client's connection closes."""
 
-    def __init__(self, source, environ):
+    def __init__(self, source: EventSource, environ):
         self.source = source
         self.client = ClientWatch(environ)
 
-    def next_event(self, timeout: float | None = None):
+    def next_event(self, timeout: float | None = None) -> Event | None:
         """Return the source's next event."""
         return self.source.next_event(timeout)
 
@@ -76,10 +79,8 @@ class WatchedSource:
         """Cancel the source."""
         self.source.cancel()
 
-    def events(self):
+    def events(self) -> Iterator[Event]:
         """Yield every event up to the last, cancelling the source once the client is gone."""
-        from .engine import Failed, Finished  # here, not at the top: the master loads torch only when preloading
-
         cancelled = False
         while True:
             event = self.source.next_event(timeout=POLL_SECONDS)

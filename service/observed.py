@@ -1,7 +1,7 @@
 """Generations seen by the metrics: wrappers that pass the events through and count and time them.
 
-The wrappers have the interface of the engine's Generation (`next_event`, `events`, `cancel`), so the
-serving class and the cache read them unchanged and the engine needs no instrumentation of its own.
+The wrappers are event sources as the engine's Generation is (EventSource), so the serving class
+and the cache read them unchanged and the engine needs no instrumentation of its own.
 `EngineWork` wraps each generation the engine runs and counts its tokens; `ObservedGeneration`
 wraps each request's source (the engine's or the cache's) and records what its client saw.
 """
@@ -13,7 +13,7 @@ import time
 from flask import g
 
 from . import metrics
-from .engine import Failed, Finished, Started, TextDelta, events_until_last
+from .engine import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -23,20 +23,20 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-class EngineWork:
+class EngineWork(EventSource):
     """Count the tokens the engine processed for one generation, once, whoever reads it.
 
     A generation is read by its one request, or by the single-flight relay that feeds every request
     asking for the same reply: wrapping it here, not per request, counts the engine's work once.
     """
 
-    def __init__(self, generation):
+    def __init__(self, generation: Generation):
         self.generation = generation
         self.sent_tokens = 0
         self._counted = False
         self._lock = threading.Lock()
 
-    def next_event(self, timeout: float | None = None):
+    def next_event(self, timeout: float | None = None) -> Event | None:
         """Return the generation's next event (or None on timeout), counting its tokens at its end."""
         event = self.generation.next_event(timeout=timeout)
         if isinstance(event, TextDelta):
@@ -49,10 +49,6 @@ class EngineWork:
         elif isinstance(event, Failed):
             self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
         return event
-
-    def events(self):
-        """Yield every event up to and including the last one."""
-        return events_until_last(self)
 
     def cancel(self) -> None:
         """Cancel the generation, counting what it sent: nobody may read its last event after this."""
@@ -70,10 +66,10 @@ class EngineWork:
         metrics.generation_tokens_total.inc(generated)
 
 
-class ObservedGeneration:
+class ObservedGeneration(EventSource):
     """Wrap an event source and record its request's latencies, tokens, gauges and outcome."""
 
-    def __init__(self, source, *, arrived_at: float):
+    def __init__(self, source: EventSource, *, arrived_at: float):
         self.source = source
         self.arrived_at = arrived_at
         # The request is parsed, rendered, tokenized and looked up in the cache by the time it is wrapped.
@@ -86,7 +82,7 @@ class ObservedGeneration:
         self._lock = threading.Lock()
         metrics.requests_waiting.inc()
 
-    def next_event(self, timeout: float | None = None):
+    def next_event(self, timeout: float | None = None) -> Event | None:
         """Return the source's next event (or None on timeout), recording what it tells."""
         if self.first_text_at is not None and self.first_written_at is None:
             # A stream asks for its next event once it has written the first text to the socket.
@@ -103,10 +99,6 @@ class ObservedGeneration:
         elif isinstance(event, Failed):
             self._end("internal_error")
         return event
-
-    def events(self):
-        """Yield every event up to and including the last one."""
-        return events_until_last(self)
 
     def cancel(self) -> None:
         """Cancel the source; a request that had not ended counts as cancelled."""
@@ -175,7 +167,7 @@ class ObservedGeneration:
         metrics.requests_total.labels(outcome).inc()
 
 
-def observe(source):
+def observe(source: EventSource) -> ObservedGeneration:
     """Wrap a generation (or any event source) so its events feed the request metrics."""
     g.corechat_observed = True
     return ObservedGeneration(source, arrived_at=g.get("corechat_arrived_at", time.monotonic()))

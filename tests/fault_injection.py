@@ -9,8 +9,8 @@ cue is a request's seed, a value nothing else sends.
 """
 
 from service import create_app
-from service.engine.core import Engine
 from service.engine.sampling import Sampler
+from service.engine.scheduler import Scheduler
 
 # A request with this seed fails while taking its third token (in a decode step, not the prompt
 # pass): one sequence fails, the others go on.
@@ -20,7 +20,7 @@ FAULTY_TOKEN = 3
 LOOP_FAULT_SEED = 660_002
 
 _record = Sampler.record
-_drop_cancelled_waiting = Engine._drop_cancelled_waiting
+_drop_cancelled_waiting = Scheduler._drop_cancelled_waiting
 
 
 def record_failing_on_cue(self, token_id):
@@ -32,14 +32,14 @@ def record_failing_on_cue(self, token_id):
 
 def loop_failing_on_cue(self):
     """Raise from the engine loop once the cued request is queued, as a bug in the loop would."""
-    with self._pending.mutex:
-        cued = any(generation.params.seed == LOOP_FAULT_SEED for generation in self._pending.queue)
+    with self.pending.mutex:
+        cued = any(generation.params.seed == LOOP_FAULT_SEED for generation in self.pending.queue)
     if cued:
         raise RuntimeError("injected fault in the engine loop")
     _drop_cancelled_waiting(self)
 
 
 Sampler.record = record_failing_on_cue
-Engine._drop_cancelled_waiting = loop_failing_on_cue
+Scheduler._drop_cancelled_waiting = loop_failing_on_cue
 
 app = create_app()

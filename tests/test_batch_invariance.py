@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from service.engine import Engine, Failed, SamplingParams, TextDelta
 from service.engine.batching import DecodeBatch
-from service.engine import core
+from service.engine import scheduler
 from support import ready_facts
 
 # Prompt lengths that give a batch wide and uneven left padding (the tiny model handles any).
@@ -96,14 +96,14 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams) -> list[s
 def recorded_logits(monkeypatch):
     """Record the logits every sampler is given, by sampler (what the engine samples from)."""
     seen: dict[int, list[torch.Tensor]] = {}
-    original = core.sample_tokens
+    original = scheduler.sample_tokens
 
     def recording(samplers, logits):
         for sampler, row in zip(samplers, logits, strict=True):
             seen.setdefault(id(sampler), []).append(row.clone())
         return original(samplers, logits)
 
-    monkeypatch.setattr(core, "sample_tokens", recording)
+    monkeypatch.setattr(scheduler, "sample_tokens", recording)
     return seen
 
 

@@ -46,7 +46,7 @@ def test_the_budget_arithmetic_matches_the_cache_the_engine_builds(engine):
     from service.engine import SamplingParams
 
     list(engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0)).events())
-    stored = engine._prefixes._entries[tuple(prompt)][1]
+    stored = engine._scheduler.prefixes._entries[tuple(prompt)][1]
     assert sum(keys.nbytes + values.nbytes for keys, values in stored) == len(prompt) * engine.facts["kv_bytes_per_token"]
 
 

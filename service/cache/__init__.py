@@ -16,6 +16,7 @@ import time
 from flask import g, request
 
 from .. import metrics
+from ..engine import EventSource
 from .entries import CachedReply, cache_key, is_reproducible
 from .flights import Flight, FlightReader
 from .runs import Run
@@ -95,7 +96,7 @@ class ResponseCache:
             return ""
         return f"key:{api_key_hash}"
 
-    def open(self, prepared, fingerprint: str, start, *, scope: str = "", opted_out: bool = False):
+    def open(self, prepared, fingerprint: str, start, *, scope: str = "", opted_out: bool = False) -> tuple[EventSource, str]:
         """Return the source of a reply and its X-Cache value (hit, miss or bypass).
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
@@ -141,7 +142,7 @@ class ResponseCache:
         return status
 
 
-def settled_status(source, status: str) -> str:
+def settled_status(source: EventSource, status: str) -> str:
     """Return the X-Cache value of a whole reply: a `hit` whose flight went on to generate text is a `miss`."""
     return "miss" if status == "hit" and isinstance(source, FlightReader) and source.generated else status
 

@@ -10,7 +10,7 @@ import dataclasses
 import threading
 import time
 
-from ..engine import Failed, Finished, Started, TextDelta, events_until_last
+from ..engine import Event, EventSource, Failed, Finished, Started, TextDelta
 from .entries import CachedReply
 
 
@@ -36,7 +36,7 @@ class Flight:
         self.takeovers = 0
         self.readers = 0
         self.closed = False
-        self.generation = None
+        self.generation: EventSource | None = None
 
     @classmethod
     def replayed(cls, reply: CachedReply) -> "Flight":
@@ -67,7 +67,7 @@ class Flight:
         if generation is not None:
             generation.cancel()
 
-    def next_for(self, reader: "FlightReader", timeout: float | None):
+    def next_for(self, reader: "FlightReader", timeout: float | None) -> Event | None:
         """Return a reader's next event, or None if none came within timeout seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
@@ -90,7 +90,7 @@ class Flight:
                     return None
                 self._changed.wait(remaining)
 
-    def _last_for(self, reader: "FlightReader"):
+    def _last_for(self, reader: "FlightReader") -> Finished | Failed:
         """Return the last event as a reader sees it: the engine's timings only for the request that
         generated the whole reply, so the others do not count in the engine's histograms."""
         if isinstance(self.last, Finished) and not (reader.leads and self.fresh_generation):
@@ -126,7 +126,7 @@ class Flight:
         self.add_pieces([TextDelta(piece) for piece in reply.pieces])
         self.end(Finished(reply.finish_reason, reply.prompt_tokens, reply.completion_tokens, 0.0, 0.0, cached=True))
 
-    def attach(self, generation, *, forced: tuple[int, ...], takeover: bool) -> None:
+    def attach(self, generation: EventSource, *, forced: tuple[int, ...], takeover: bool) -> None:
         """Make an engine generation the flight's, cancelling it at once if every reader left meanwhile."""
         with self._changed:
             self.generation = generation
@@ -142,8 +142,8 @@ class Flight:
         return tuple(token for piece in self.pieces for token in piece.token_ids)
 
 
-class FlightReader:
-    """One request's view of a flight, with the interface of an engine Generation."""
+class FlightReader(EventSource):
+    """One request's view of a flight: an event source, as an engine Generation is."""
 
     def __init__(self, flight: Flight, *, leads: bool):
         self.flight = flight
@@ -158,15 +158,11 @@ class FlightReader:
         """Tell whether this worker generated text for this request (it was not only replayed or followed)."""
         return self.leads or self.flight.takeovers > self._joined_at
 
-    def next_event(self, timeout: float | None = None):
+    def next_event(self, timeout: float | None = None) -> Event | None:
         """Return the next event, or None if none came within timeout seconds; after cancel, a cancelled end."""
         if self._left:
             return Finished("cancelled", 0, 0, 0.0, 0.0)
         return self.flight.next_for(self, timeout)
-
-    def events(self):
-        """Yield every event up to and including the last one."""
-        return events_until_last(self)
 
     def cancel(self) -> None:
         """Stop reading; the flight stops generating when no reader is left."""

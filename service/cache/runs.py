@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 
-from ..engine import Failed, Finished, Started, TextDelta
+from ..engine import EventSource, Failed, Finished, Started, TextDelta
 from ..errors import APIError
 from .entries import CachedReply, FlightRecord, flight_key, is_complete, lock_key, reply_key
 from .flights import Flight
@@ -37,7 +37,7 @@ class Run:
         self.reply_key = reply_key(flight.digest)
         self.lock_key = lock_key(flight.digest)
         self.stream = flight_key(flight.digest)
-        self.generation = None
+        self.generation: EventSource | None = None
         self.token: str | None = None
         self.run_id: str | None = None
         self.after = self.store.stream_start

@@ -1,17 +1,7 @@
 """Model loading and generation; knows nothing of HTTP."""
 
-from .core import (
-    Engine,
-    EngineOverloaded,
-    EngineUnavailable,
-    Failed,
-    Finished,
-    Generation,
-    Started,
-    TemplateRefused,
-    TextDelta,
-    events_until_last,
-)
+from .core import Engine, EngineOverloaded, EngineUnavailable, TemplateRefused
+from .events import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
 from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
@@ -21,6 +11,8 @@ __all__ = [
     "Engine",
     "EngineOverloaded",
     "EngineUnavailable",
+    "Event",
+    "EventSource",
     "Failed",
     "Finished",
     "Generation",
@@ -31,7 +23,6 @@ __all__ = [
     "TemplateRefused",
     "TextDelta",
     "TokenLogprob",
-    "events_until_last",
     "json_schema_grammar",
     "tool_call_grammar",
 ]

@@ -1,17 +1,22 @@
-"""The engine: one thread per worker owns the model; request threads talk to it through queues."""
+"""The engine's face to request threads: load and warm up the model, queue generations, report facts.
+
+One engine thread per worker owns the model and runs the scheduler (scheduler.py); request threads
+submit here and read their events from the Generation they get back (events.py).
+"""
 
 import hashlib
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
-from transformers import AutoConfig, DynamicCache
+from transformers import AutoConfig
 
+from .events import Failed, Generation
+from .grammar import Grammars
 from .loading import (
     load_generation_defaults,
     load_model,
@@ -19,13 +24,12 @@ from .loading import (
     model_fingerprint,
     resolve_model_dir,
 )
-from .batching import DecodeBatch
-from .grammar import Grammars, mask_logits
-from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, reserved_kv_tokens, return_freed_memory
+from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, return_freed_memory
 from .prefixes import PrefixStore
 from .prepare import prepare_model
-from .sampling import SAMPLER_VERSION, Sampler, SamplingParams, TokenLogprobs, sample_tokens, token_logprobs
-from .text import TextAssembler, TokenLogprob, TokenSpeller
+from .sampling import SAMPLER_VERSION, SamplingParams
+from .scheduler import Scheduler
+from .text import TokenSpeller
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
 WARMUP_TOKENS = 8
-IDLE_POLL_SECONDS = 0.5
 
 
 class EngineOverloaded(RuntimeError):
@@ -46,126 +49,6 @@ class EngineUnavailable(RuntimeError):
 
 class TemplateRefused(ValueError):
     """The model's chat template refused a conversation (a role order it does not support, say)."""
-
-
-@dataclass(frozen=True)
-class Started:
-    """The engine took the request off the queue."""
-
-    queue_seconds: float
-    # True when the response cache serves the reply: no engine queue was involved.
-    cached: bool = False
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """A piece of generated text: whole characters, no stop string."""
-
-    text: str
-    # The tokens that completed this text since the previous piece: what a continuation is forced with.
-    token_ids: tuple[int, ...] = ()
-    # Their log probabilities, when the request asked for them.
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The generation ended; the last event of a successful generation."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_seconds: float
-    decode_seconds: float
-    cached_prompt_tokens: int = 0
-    # True when the response cache served the reply: the timings are not the engine's.
-    cached: bool = False
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The generation failed inside the engine; the last event of a failed generation."""
-
-    message: str
-
-
-Event = Started | TextDelta | Finished | Failed
-
-
-def events_until_last(source):
-    """Yield a source's events (anything with `next_event`) up to and including its Finished or Failed."""
-    while True:
-        event = source.next_event()
-        yield event
-        if isinstance(event, (Finished, Failed)):
-            return
-
-
-class Generation:
-    """A request's handle: the events the engine sends it, and a way to cancel it.
-
-    `forced_ids` start the reply with tokens generated before (a continuation): they are processed
-    with the prompt, count as completion tokens, and their text is not sent again.
-    """
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = (), grammar=None):
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.forced_ids = tuple(forced_ids)
-        # The llguidance matcher of params.grammar, advanced by each token of the reply.
-        self.grammar = grammar
-        self.submitted_at = time.monotonic()
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
-
-    @property
-    def input_ids(self) -> list[int]:
-        """Return the tokens the engine processes before it samples: the prompt, then the forced ones."""
-        return [*self.prompt_ids, *self.forced_ids]
-
-    def cancel(self) -> None:
-        """Ask the engine to stop this generation at its next token."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        """Tell whether cancel() was called."""
-        return self._cancelled.is_set()
-
-    def next_event(self, timeout: float | None = None) -> Event | None:
-        """Return the next event, or None if none came within timeout seconds."""
-        try:
-            return self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def events(self):
-        """Yield every event up to and including the last one."""
-        return events_until_last(self)
-
-    def send(self, event: Event) -> None:
-        """Deliver an event to the request (engine side)."""
-        self._events.put(event)
-
-
-@dataclass
-class _Sequence:
-    """The engine's state for one running generation."""
-
-    generation: Generation
-    sampler: Sampler
-    text: TextAssembler
-    cache: DynamicCache
-    started_at: float
-    next_input: list[int]
-    completion_tokens: int = 0
-    # Tokens taken since the last text piece went out, sent along with the next one.
-    unsent_ids: list[int] = field(default_factory=list)
-    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
-    cached_prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    first_token_at: float | None = None
-    deadline: float | None = field(default=None)
 
 
 class Engine:
@@ -197,10 +80,8 @@ class Engine:
         self._on_ready = None
         self._on_failure = None
         self._thread: threading.Thread | None = None
-        self._running = 0
-        self._prefixes: PrefixStore | None = None
-        self._decode_seconds = 0.0
-        self._forward_seconds = 0.0
+        # Made once the model is loaded, in the engine thread.
+        self._scheduler: Scheduler | None = None
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -258,7 +139,7 @@ class Engine:
     @property
     def running(self) -> int:
         """Return the number of sequences being generated."""
-        return self._running
+        return self._scheduler.running if self._scheduler is not None else 0
 
     def _run(self) -> None:
         """Load, warm up, then serve until stopped (the engine thread)."""
@@ -277,7 +158,13 @@ class Engine:
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready()
-        self._serve()
+        try:
+            self._scheduler.serve(self._stopping)
+        except Exception as exc:  # the scheduler failed its requests; the worker cannot trust the loop any more
+            self._fail(f"the engine loop failed: {type(exc).__name__}: {exc}", while_loading=False)
+            return
+        # Every request must get a last event, or its thread waits forever and the worker cannot exit.
+        self._close("the server is shutting down")
 
     def _load_weights(self) -> None:
         """Map the weights and record how long it took."""
@@ -286,7 +173,6 @@ class Engine:
         self.model = load_model(self.model_dir, dtype)
         # Counted before quantizing turns the Linear weights into buffers, which parameters() skips.
         parameters = sum(p.numel() for p in self.model.parameters())
-        self._prefixes = PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024)
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
         prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
                                  Path(self.settings.kernels_dir), files_fingerprint)
@@ -306,6 +192,11 @@ class Engine:
             context_length=self.context_length,
             fingerprint=self.fingerprint,
         )
+        self._scheduler = Scheduler(
+            self.settings, self.model, self.tokenizer, pending=self._pending,
+            prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024),
+            eos_ids=self._eos_ids, speller=self._speller, kv_token_budget=self.kv_token_budget, facts=self.facts,
+        )
         log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts["load_seconds"], dtype)
 
     def _warm_up(self) -> None:
@@ -313,7 +204,7 @@ class Engine:
         began = time.monotonic()
         prompt_ids = self.encode_chat(WARMUP_MESSAGES)
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
-        self._decode_until_done([self._begin(generation)])
+        self._scheduler.run_to_end([generation])
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
         log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
 
@@ -411,295 +302,10 @@ class Engine:
         with self._admission:
             if self._closed_reason is not None or self._stopping.is_set():
                 raise EngineUnavailable(self._closed_reason or "the engine is shutting down")
-            if self._running + self._pending.qsize() >= self.settings.request_places:
+            if self.running + self._pending.qsize() >= self.settings.request_places:
                 raise full
             try:
                 self._pending.put_nowait(generation)
             except queue.Full:
                 raise full from None
         return generation
-
-    def _serve(self) -> None:
-        """Admit queued requests, advance prompts by a chunk, then every running sequence by one token."""
-        active: list[_Sequence] = []
-        prefilling: list[_Sequence] = []
-        batch = DecodeBatch(self.model.config)
-        try:
-            while not self._stopping.is_set():
-                self._drop_cancelled_waiting()
-                self._admit(active, prefilling)
-                self._prefill_some(active, prefilling, batch)
-                self._decode_step(active, batch)
-                busy = self._running
-                self._running = len(active) + len(prefilling)
-                if busy and not self._running:
-                    # Going idle: glibc keeps what the finished requests freed (caches, prompts,
-                    # texts) inside its arenas unless it lies at a heap's top; hand it back now.
-                    return_freed_memory()
-        except Exception as exc:  # the loop's state is unknown now: end every request, then the worker
-            log.exception("the engine loop failed; failing every request of this worker")
-            for sequence in active + prefilling:
-                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            self._running = 0
-            self._fail(f"the engine loop failed: {type(exc).__name__}: {exc}", while_loading=False)
-            return
-        for sequence in active + prefilling:
-            self._finish(sequence, "cancelled")
-        # Every request must get a last event, or its thread waits forever and the worker cannot exit.
-        self._close("the server is shutting down")
-
-    def _drop_cancelled_waiting(self) -> None:
-        """Take generations whose client left out of the queue at once, so their places free up."""
-        with self._pending.mutex:
-            cancelled = [generation for generation in self._pending.queue if generation.cancelled]
-            for generation in cancelled:
-                self._pending.queue.remove(generation)
-            if cancelled:
-                self._pending.not_full.notify(len(cancelled))
-        for generation in cancelled:
-            generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
-
-    def _decode_until_done(self, sequences: list["_Sequence"]) -> None:
-        """Run sequences to their end without admitting others (the warm-up)."""
-        batch = DecodeBatch(self.model.config)
-        active = [sequence for sequence in sequences if self._prefill(sequence, len(sequence.next_input))]
-        if active:
-            batch.join([sequence.cache for sequence in active])
-        while active:
-            self._decode_step(active, batch)
-
-    def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
-        """Take queued requests while places and KV memory are free (blocking briefly when idle)."""
-        while len(active) + len(prefilling) < self.settings.max_running:
-            idle = not active and not prefilling
-            if not idle and not self._next_fits(active + prefilling):
-                # It waits, counted and pinged, and so does everything behind it: a long prompt
-                # is not overtaken by short ones for ever.
-                break
-            try:
-                generation = self._pending.get(timeout=IDLE_POLL_SECONDS) if idle else self._pending.get_nowait()
-            except queue.Empty:
-                break
-            if generation.cancelled:
-                generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
-                continue
-            generation.send(Started(time.monotonic() - generation.submitted_at))
-            try:
-                prefilling.append(self._begin(generation))
-            except Exception as exc:  # one request's bad parameters must not stop the others
-                log.exception("a generation failed to start")
-                generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            # Counted before its first token goes out, so a client that saw a token sees it running.
-            self._running = len(active) + len(prefilling)
-
-    def _next_fits(self, running: list[_Sequence]) -> bool:
-        """Tell whether the oldest queued request fits the KV budget next to the running sequences."""
-        try:
-            # Only this thread takes from the queue, so the head stays the one get() returns.
-            head = self._pending.queue[0]
-        except IndexError:
-            return True
-        generations = [sequence.generation for sequence in running] + [head]
-        return head.cancelled or reserved_kv_tokens(generations) <= self.kv_token_budget
-
-    def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
-        """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
-
-        Prompts that are done join the batch. Between two decode steps the running sequences wait
-        for at most this much prompt work, so a long prompt arriving slows their tokens down
-        instead of stopping them.
-        """
-        chunk = self.settings.prefill_chunk_tokens
-        budget, joining = chunk, []
-        # Whole chunks only, so where a prompt is cut never depends on what else is running.
-        while prefilling and (budget == chunk or min(chunk, len(prefilling[0].next_input)) <= budget):
-            sequence = prefilling[0]
-            take = min(chunk, len(sequence.next_input))
-            budget -= take
-            goes_on = self._prefill(sequence, take)
-            if goes_on is not None:
-                prefilling.pop(0)
-                if goes_on:
-                    joining.append(sequence)
-        if joining:
-            batch.join([sequence.cache for sequence in joining])
-            active.extend(joining)
-            for sequence in joining:
-                sequence.cache = None  # the batch holds its KV state now
-
-    def _begin(self, generation: Generation) -> _Sequence:
-        """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
-        now = time.monotonic()
-        deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
-        input_ids = generation.input_ids
-        cache, cached = self._prefixes.lookup(input_ids)
-        sequence = _Sequence(
-            generation=generation,
-            sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
-            text=TextAssembler(self.tokenizer, generation.params.stop),
-            cache=cache if cache is not None else DynamicCache(config=self.model.config),
-            started_at=now,
-            next_input=input_ids[cached:],
-            cached_prompt_tokens=cached,
-            deadline=now + deadline_seconds,
-        )
-        self._force(sequence, generation.forced_ids)
-        return sequence
-
-    @staticmethod
-    def _force(sequence: _Sequence, forced_ids: tuple[int, ...]) -> None:
-        """Put a continuation's sampler and text where the original generation stood after `forced_ids`.
-
-        Their text was sent before, so it is assembled (for stop strings and split characters) but not sent.
-        """
-        for token_id in forced_ids:
-            sequence.sampler.record(token_id)
-            sequence.text.add(token_id)
-            if sequence.generation.grammar is not None:
-                sequence.generation.grammar.consume_token(token_id)
-        sequence.completion_tokens = len(forced_ids)
-
-    def _forced_reply_ended(self, sequence: _Sequence) -> bool:
-        """Finish a continuation whose forced tokens already end the reply (max_tokens or a stop string)."""
-        if sequence.text.stopped:
-            self._finish(sequence, "stop")
-            return True
-        if sequence.completion_tokens >= sequence.generation.params.max_tokens:
-            self._finish(sequence, "length")
-            return True
-        return False
-
-    def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
-        """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
-
-        Return None while prompt tokens remain, else whether the sequence goes on.
-        """
-        if sequence.generation.cancelled:
-            self._finish(sequence, "cancelled")
-            return False
-        try:
-            began = time.monotonic()
-            chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
-            with torch.inference_mode():
-                output = self.model(
-                    input_ids=torch.tensor([chunk]),
-                    cache=sequence.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                if not sequence.next_input:
-                    self._prefixes.store(sequence.generation.input_ids, sequence.cache)
-                    mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
-            sequence.prompt_seconds += time.monotonic() - began
-            if sequence.next_input:
-                return None
-            self.facts["prefix_cache_bytes"] = self._prefixes.bytes
-            if sequence.cached_prompt_tokens:
-                self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
-            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
-                return False
-            logits = output.logits[0, -1:]
-            token_id = sample_tokens([sequence.sampler], logits)[0]
-            return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
-        except Exception as exc:  # one bad prompt must not stop the others
-            log.exception("prompt pass failed")
-            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            return False
-
-    def _decode_step(self, active: list[_Sequence], batch: DecodeBatch) -> None:
-        """Generate one token for every running sequence in one forward pass; drop those that end."""
-        cancelled = [row for row, sequence in enumerate(active) if sequence.generation.cancelled]
-        for row in cancelled:
-            self._finish(active[row], "cancelled")
-        self._leave(active, batch, cancelled)
-        if not active:
-            return
-        self.facts["largest_batch"] = max(self.facts.get("largest_batch", 0), len(active))
-        began = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
-                forward_done = time.perf_counter()
-                mask_logits(logits, [sequence.generation.grammar for sequence in active])
-            samplers = [sequence.sampler for sequence in active]
-            token_ids = sample_tokens(samplers, logits)
-            logprobs = token_logprobs(samplers, logits, token_ids)
-        except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
-            log.exception("decode step failed")
-            for sequence in active:
-                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            self._leave(active, batch, list(range(len(active))))
-            return
-        ended = [row for row, (sequence, token_id, logprob) in enumerate(zip(active, token_ids, logprobs, strict=True))
-                 if not self._advance_or_fail(sequence, token_id, logprob)]
-        self._leave(active, batch, ended)
-        self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
-
-    def _count_decode_overhead(self, forward_seconds: float, step_seconds: float) -> None:
-        """Record the share of decode time spent outside the model's forward (sampling, text, batch upkeep)."""
-        self._decode_seconds += step_seconds
-        self._forward_seconds += forward_seconds
-        self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
-
-    @staticmethod
-    def _leave(active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
-        """Remove ended sequences from the running list and the batch."""
-        if rows:
-            batch.leave(rows)
-            active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
-
-    def _advance_or_fail(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
-        """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
-        try:
-            return self._advance(sequence, token_id, logprob)
-        except Exception as exc:
-            log.exception("a sequence failed while taking its next token")
-            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            return False
-
-    def _advance(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
-        """Take a sequence's next token and deliver its text; return whether it goes on."""
-        generation = sequence.generation
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.monotonic()
-        sequence.sampler.record(token_id)
-        if generation.grammar is not None and not generation.grammar.consume_token(token_id):
-            raise ValueError(f"the grammar refused token {token_id}: {generation.grammar.get_error()}")
-        sequence.completion_tokens += 1
-        sequence.next_input = [token_id]
-        if token_id in self._eos_ids:
-            self._finish(sequence, "stop")
-            return False
-        sequence.unsent_ids.append(token_id)
-        if logprob is not None:
-            sequence.unsent_logprobs.append(self._speller.logprob(token_id, logprob.logprob, logprob.top))
-        delta = sequence.text.add(token_id)
-        if delta:
-            generation.send(TextDelta(delta, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
-            sequence.unsent_ids.clear()
-            sequence.unsent_logprobs.clear()
-        if sequence.text.stopped:
-            self._finish(sequence, "stop")
-            return False
-        if sequence.completion_tokens >= generation.params.max_tokens or time.monotonic() >= sequence.deadline:
-            self._finish(sequence, "length")
-            return False
-        return True
-
-    def _finish(self, sequence: _Sequence, finish_reason: str) -> None:
-        """Send the held-back text and the final event of a sequence."""
-        rest = sequence.text.finish() if finish_reason != "cancelled" else ""
-        if rest:
-            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
-        decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
-        self.facts["requests_finished"] += 1
-        sequence.generation.send(
-            Finished(
-                finish_reason=finish_reason,
-                prompt_tokens=len(sequence.generation.prompt_ids),
-                completion_tokens=sequence.completion_tokens,
-                prompt_seconds=sequence.prompt_seconds,
-                decode_seconds=decode_seconds,
-                cached_prompt_tokens=sequence.cached_prompt_tokens,
-            )
-        )

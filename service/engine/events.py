@@ -1,0 +1,130 @@
+"""What a request hears of its generation: the event types, the request's handle and the protocol of an event source.
+
+Nothing here imports torch: the layers that pass events on (the response cache, the metrics, the
+disconnect watcher) depend on this file alone, not on the model.
+"""
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .text import TokenLogprob
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams  # imports torch; the handle only carries the parameters
+
+
+@dataclass(frozen=True)
+class Started:
+    """The engine took the request off the queue."""
+
+    queue_seconds: float
+    # True when the response cache serves the reply: no engine queue was involved.
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of generated text: whole characters, no stop string."""
+
+    text: str
+    # The tokens that completed this text since the previous piece: what a continuation is forced with.
+    token_ids: tuple[int, ...] = ()
+    # Their log probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation ended; the last event of a successful generation."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_seconds: float
+    decode_seconds: float
+    cached_prompt_tokens: int = 0
+    # True when the response cache served the reply: the timings are not the engine's.
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation failed inside the engine; the last event of a failed generation."""
+
+    message: str
+
+
+Event = Started | TextDelta | Finished | Failed
+
+
+class EventSource(Protocol):
+    """Anything a request reads its reply's events from, ending with one Finished or Failed.
+
+    The engine's Generation is one; the layers stacked on it pass its events on: a response-cache
+    flight's reader (service/cache/flights.py), the metrics' observer (service/observed.py) and the
+    disconnect watcher (service/disconnect.py). Each declares this protocol as a base, which gives
+    it `events()`.
+    """
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """Return the next event, or None if none came within timeout seconds."""
+        ...
+
+    def cancel(self) -> None:
+        """Ask for the generation to stop; a last event still comes."""
+        ...
+
+    def events(self) -> Iterator[Event]:
+        """Yield every event up to and including the last one (Finished or Failed)."""
+        while True:
+            event = self.next_event()
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+
+class Generation(EventSource):
+    """A request's handle: the events the engine sends it, and a way to cancel it.
+
+    `forced_ids` start the reply with tokens generated before (a continuation): they are processed
+    with the prompt, count as completion tokens, and their text is not sent again.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: "SamplingParams", forced_ids: tuple[int, ...] = (), grammar=None):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.forced_ids = tuple(forced_ids)
+        # The llguidance matcher of params.grammar, advanced by each token of the reply.
+        self.grammar = grammar
+        self.submitted_at = time.monotonic()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Return the tokens the engine processes before it samples: the prompt, then the forced ones."""
+        return [*self.prompt_ids, *self.forced_ids]
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this generation at its next token."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Tell whether cancel() was called."""
+        return self._cancelled.is_set()
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """Return the next event, or None if none came within timeout seconds."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def send(self, event: Event) -> None:
+        """Deliver an event to the request (engine side)."""
+        self._events.put(event)

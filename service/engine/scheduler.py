@@ -1,0 +1,360 @@
+"""The engine thread's loop: admit queued generations, pass prompts in chunks, decode every running one a token per step."""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .batching import DecodeBatch
+from .events import Failed, Finished, Generation, Started, TextDelta
+from .grammar import mask_logits
+from .memory import reserved_kv_tokens, return_freed_memory
+from .prefixes import PrefixStore
+from .sampling import Sampler, TokenLogprobs, sample_tokens, token_logprobs
+from .text import TextAssembler, TokenLogprob, TokenSpeller
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.5
+
+
+@dataclass
+class _Sequence:
+    """The engine's state for one running generation."""
+
+    generation: Generation
+    sampler: Sampler
+    text: TextAssembler
+    cache: DynamicCache
+    started_at: float
+    next_input: list[int]
+    completion_tokens: int = 0
+    # Tokens taken since the last text piece went out, sent along with the next one.
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    first_token_at: float | None = None
+    deadline: float | None = field(default=None)
+
+
+class Scheduler:
+    """Run the generations of one loaded model, taking them from the queue `submit` fills.
+
+    Only the engine thread calls it. It writes what it sees (batch sizes, prefix-cache use, decode
+    overhead, requests finished) into the engine's `facts`.
+    """
+
+    def __init__(self, settings, model, tokenizer, *, pending: queue.Queue, prefixes: PrefixStore, eos_ids: set[int],
+                 speller: TokenSpeller, kv_token_budget: int, facts: dict[str, object]):
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pending = pending
+        self.prefixes = prefixes
+        self.eos_ids = eos_ids
+        self.speller = speller
+        # Cache tokens (padding included) the running sequences may reach together.
+        self.kv_token_budget = kv_token_budget
+        self.facts = facts
+        # Sequences taken off the queue and not yet ended; read by other threads for /readyz and submit.
+        self.running = 0
+        self._decode_seconds = 0.0
+        self._forward_seconds = 0.0
+
+    def serve(self, stopping: threading.Event) -> None:
+        """Admit queued requests, advance prompts by a chunk, then every running sequence by one token, until stopping.
+
+        Running sequences end cancelled when stopping comes. A fault of the loop itself fails them
+        and is raised: the loop's state is unknown then.
+        """
+        active: list[_Sequence] = []
+        prefilling: list[_Sequence] = []
+        batch = DecodeBatch(self.model.config)
+        try:
+            while not stopping.is_set():
+                self._drop_cancelled_waiting()
+                self._admit(active, prefilling)
+                self._prefill_some(active, prefilling, batch)
+                self._decode_step(active, batch)
+                busy = self.running
+                self.running = len(active) + len(prefilling)
+                if busy and not self.running:
+                    # Going idle: glibc keeps what the finished requests freed (caches, prompts,
+                    # texts) inside its arenas unless it lies at a heap's top; hand it back now.
+                    return_freed_memory()
+        except Exception as exc:
+            log.exception("the engine loop failed; failing every request of this worker")
+            for sequence in active + prefilling:
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            self.running = 0
+            raise
+        for sequence in active + prefilling:
+            self._finish(sequence, "cancelled")
+
+    def run_to_end(self, generations: list[Generation]) -> None:
+        """Run generations to their end without admitting others (the warm-up)."""
+        batch = DecodeBatch(self.model.config)
+        sequences = [self._begin(generation) for generation in generations]
+        active = [sequence for sequence in sequences if self._prefill(sequence, len(sequence.next_input))]
+        if active:
+            batch.join([sequence.cache for sequence in active])
+        while active:
+            self._decode_step(active, batch)
+
+    # Admission ------------------------------------------------------------------------------
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Take generations whose client left out of the queue at once, so their places free up."""
+        with self.pending.mutex:
+            cancelled = [generation for generation in self.pending.queue if generation.cancelled]
+            for generation in cancelled:
+                self.pending.queue.remove(generation)
+            if cancelled:
+                self.pending.not_full.notify(len(cancelled))
+        for generation in cancelled:
+            generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
+
+    def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
+        """Take queued requests while places and KV memory are free (blocking briefly when idle)."""
+        while len(active) + len(prefilling) < self.settings.max_running:
+            idle = not active and not prefilling
+            if not idle and not self._next_fits(active + prefilling):
+                # It waits, counted and pinged, and so does everything behind it: a long prompt
+                # is not overtaken by short ones for ever.
+                break
+            try:
+                generation = self.pending.get(timeout=IDLE_POLL_SECONDS) if idle else self.pending.get_nowait()
+            except queue.Empty:
+                break
+            if generation.cancelled:
+                generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
+                continue
+            generation.send(Started(time.monotonic() - generation.submitted_at))
+            try:
+                prefilling.append(self._begin(generation))
+            except Exception as exc:  # one request's bad parameters must not stop the others
+                log.exception("a generation failed to start")
+                generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            # Counted before its first token goes out, so a client that saw a token sees it running.
+            self.running = len(active) + len(prefilling)
+
+    def _next_fits(self, running: list[_Sequence]) -> bool:
+        """Tell whether the oldest queued request fits the KV budget next to the running sequences."""
+        try:
+            # Only this thread takes from the queue, so the head stays the one get() returns.
+            head = self.pending.queue[0]
+        except IndexError:
+            return True
+        generations = [sequence.generation for sequence in running] + [head]
+        return head.cancelled or reserved_kv_tokens(generations) <= self.kv_token_budget
+
+    def _begin(self, generation: Generation) -> _Sequence:
+        """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
+        now = time.monotonic()
+        deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
+        input_ids = generation.input_ids
+        cache, cached = self.prefixes.lookup(input_ids)
+        sequence = _Sequence(
+            generation=generation,
+            sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
+            text=TextAssembler(self.tokenizer, generation.params.stop),
+            cache=cache if cache is not None else DynamicCache(config=self.model.config),
+            started_at=now,
+            next_input=input_ids[cached:],
+            cached_prompt_tokens=cached,
+            deadline=now + deadline_seconds,
+        )
+        self._force(sequence, generation.forced_ids)
+        return sequence
+
+    @staticmethod
+    def _force(sequence: _Sequence, forced_ids: tuple[int, ...]) -> None:
+        """Put a continuation's sampler and text where the original generation stood after `forced_ids`.
+
+        Their text was sent before, so it is assembled (for stop strings and split characters) but not sent.
+        """
+        for token_id in forced_ids:
+            sequence.sampler.record(token_id)
+            sequence.text.add(token_id)
+            if sequence.generation.grammar is not None:
+                sequence.generation.grammar.consume_token(token_id)
+        sequence.completion_tokens = len(forced_ids)
+
+    # Prompt chunks --------------------------------------------------------------------------
+
+    def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
+        """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
+
+        Prompts that are done join the batch. Between two decode steps the running sequences wait
+        for at most this much prompt work, so a long prompt arriving slows their tokens down
+        instead of stopping them.
+        """
+        chunk = self.settings.prefill_chunk_tokens
+        budget, joining = chunk, []
+        # Whole chunks only, so where a prompt is cut never depends on what else is running.
+        while prefilling and (budget == chunk or min(chunk, len(prefilling[0].next_input)) <= budget):
+            sequence = prefilling[0]
+            take = min(chunk, len(sequence.next_input))
+            budget -= take
+            goes_on = self._prefill(sequence, take)
+            if goes_on is not None:
+                prefilling.pop(0)
+                if goes_on:
+                    joining.append(sequence)
+        if joining:
+            batch.join([sequence.cache for sequence in joining])
+            active.extend(joining)
+            for sequence in joining:
+                sequence.cache = None  # the batch holds its KV state now
+
+    def _forced_reply_ended(self, sequence: _Sequence) -> bool:
+        """Finish a continuation whose forced tokens already end the reply (max_tokens or a stop string)."""
+        if sequence.text.stopped:
+            self._finish(sequence, "stop")
+            return True
+        if sequence.completion_tokens >= sequence.generation.params.max_tokens:
+            self._finish(sequence, "length")
+            return True
+        return False
+
+    def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
+        """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
+
+        Return None while prompt tokens remain, else whether the sequence goes on.
+        """
+        if sequence.generation.cancelled:
+            self._finish(sequence, "cancelled")
+            return False
+        try:
+            began = time.monotonic()
+            chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=torch.tensor([chunk]),
+                    cache=sequence.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                if not sequence.next_input:
+                    self.prefixes.store(sequence.generation.input_ids, sequence.cache)
+                    mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
+            sequence.prompt_seconds += time.monotonic() - began
+            if sequence.next_input:
+                return None
+            self.facts["prefix_cache_bytes"] = self.prefixes.bytes
+            if sequence.cached_prompt_tokens:
+                self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
+            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
+                return False
+            logits = output.logits[0, -1:]
+            token_id = sample_tokens([sequence.sampler], logits)[0]
+            return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
+        except Exception as exc:  # one bad prompt must not stop the others
+            log.exception("prompt pass failed")
+            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return False
+
+    # Decode steps ---------------------------------------------------------------------------
+
+    def _decode_step(self, active: list[_Sequence], batch: DecodeBatch) -> None:
+        """Generate one token for every running sequence in one forward pass; drop those that end."""
+        cancelled = [row for row, sequence in enumerate(active) if sequence.generation.cancelled]
+        for row in cancelled:
+            self._finish(active[row], "cancelled")
+        self._leave(active, batch, cancelled)
+        if not active:
+            return
+        self.facts["largest_batch"] = max(self.facts.get("largest_batch", 0), len(active))
+        began = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
+                forward_done = time.perf_counter()
+                mask_logits(logits, [sequence.generation.grammar for sequence in active])
+            samplers = [sequence.sampler for sequence in active]
+            token_ids = sample_tokens(samplers, logits)
+            logprobs = token_logprobs(samplers, logits, token_ids)
+        except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
+            log.exception("decode step failed")
+            for sequence in active:
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            self._leave(active, batch, list(range(len(active))))
+            return
+        ended = [row for row, (sequence, token_id, logprob) in enumerate(zip(active, token_ids, logprobs, strict=True))
+                 if not self._advance_or_fail(sequence, token_id, logprob)]
+        self._leave(active, batch, ended)
+        self._count_decode_overhead(forward_done - began, time.perf_counter() - began)
+
+    def _count_decode_overhead(self, forward_seconds: float, step_seconds: float) -> None:
+        """Record the share of decode time spent outside the model's forward (sampling, text, batch upkeep)."""
+        self._decode_seconds += step_seconds
+        self._forward_seconds += forward_seconds
+        self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
+
+    @staticmethod
+    def _leave(active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
+        """Remove ended sequences from the running list and the batch."""
+        if rows:
+            batch.leave(rows)
+            active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+
+    def _advance_or_fail(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
+        """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
+        try:
+            return self._advance(sequence, token_id, logprob)
+        except Exception as exc:
+            log.exception("a sequence failed while taking its next token")
+            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return False
+
+    def _advance(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
+        """Take a sequence's next token and deliver its text; return whether it goes on."""
+        generation = sequence.generation
+        if sequence.first_token_at is None:
+            sequence.first_token_at = time.monotonic()
+        sequence.sampler.record(token_id)
+        if generation.grammar is not None and not generation.grammar.consume_token(token_id):
+            raise ValueError(f"the grammar refused token {token_id}: {generation.grammar.get_error()}")
+        sequence.completion_tokens += 1
+        sequence.next_input = [token_id]
+        if token_id in self.eos_ids:
+            self._finish(sequence, "stop")
+            return False
+        sequence.unsent_ids.append(token_id)
+        if logprob is not None:
+            sequence.unsent_logprobs.append(self.speller.logprob(token_id, logprob.logprob, logprob.top))
+        delta = sequence.text.add(token_id)
+        if delta:
+            generation.send(TextDelta(delta, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
+            sequence.unsent_ids.clear()
+            sequence.unsent_logprobs.clear()
+        if sequence.text.stopped:
+            self._finish(sequence, "stop")
+            return False
+        if sequence.completion_tokens >= generation.params.max_tokens or time.monotonic() >= sequence.deadline:
+            self._finish(sequence, "length")
+            return False
+        return True
+
+    def _finish(self, sequence: _Sequence, finish_reason: str) -> None:
+        """Send the held-back text and the final event of a sequence."""
+        rest = sequence.text.finish() if finish_reason != "cancelled" else ""
+        if rest:
+            sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
+        decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
+        self.facts["requests_finished"] += 1
+        sequence.generation.send(
+            Finished(
+                finish_reason=finish_reason,
+                prompt_tokens=len(sequence.generation.prompt_ids),
+                completion_tokens=sequence.completion_tokens,
+                prompt_seconds=sequence.prompt_seconds,
+                decode_seconds=decode_seconds,
+                cached_prompt_tokens=sequence.cached_prompt_tokens,
+            )
+        )
