@@ -111,7 +111,8 @@ def test_requests_beyond_the_kv_budget_wait_in_the_queue_and_all_complete(small_
         outcomes = [stream.result() for stream in streams]
     # Eight places to run, but the budget holds two such rows: the others waited, counted.
     assert most_seen["running"] == 2 and most_seen["waiting"] >= 1, most_seen
-    assert all(outcome["done"] and outcome["finish_reason"] in ("length", "stop") for outcome in outcomes), outcomes
+    # Greedy replies of the random-weight model draw no EOS this early: each runs to max_tokens.
+    assert all(outcome["done"] and outcome["finish_reason"] == "length" for outcome in outcomes), outcomes
     assert any(outcome["pinged_first"] for outcome in outcomes)
     facts = readyz(small_budget_server)
     assert (facts["running"], facts["waiting"]) == (0, 0)
