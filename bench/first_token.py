@@ -105,9 +105,9 @@ def measure_in_process(model_dir: Path, repetitions: int, threads: int) -> dict:
     for _ in range(repetitions):
         messages = short_chat(f"ft-{uuid.uuid4().hex[:8]}")
         began = time.perf_counter()
-        prompt = engine.render_prompt(messages)
+        prompt = engine.template.render(messages)
         rendered = time.perf_counter()
-        prompt_ids = engine.encode(prompt)
+        prompt_ids = engine.template.encode(prompt)
         encoded = time.perf_counter()
         output_layer.clear()
         sampling.clear()

@@ -43,7 +43,7 @@ def timed_mask_logits(logits, matchers, mask_logits=scheduler.mask_logits) -> No
 
 def run_round(engine: Engine, streams: int, tokens: int, grammar: str | None) -> float:
     """Run `streams` generations at once and return their decode tokens per second."""
-    prompt = engine.encode_chat([{"role": "user", "content": "Describe a person as JSON."}])
+    prompt = engine.template.encode_chat([{"role": "user", "content": "Describe a person as JSON."}])
     params = SamplingParams(max_tokens=tokens, temperature=0.0, grammar=grammar)
     generations = [engine.submit(prompt, params) for _ in range(streams)]
     first_token_at, decoded = None, 0

@@ -92,12 +92,12 @@ class ChatCompletions:
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] for message in messages))
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
-        if tools and not self.engine.template_supports_tools:
+        if tools and not self.engine.template.supports_tools:
             raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
                                  param="tools")
         grammar = self._grammar(request)
         try:
-            prompt_ids = self.engine.encode_chat(messages, tools)
+            prompt_ids = self.engine.template.encode_chat(messages, tools)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)

@@ -98,7 +98,7 @@ def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir)
     assert engine.wait_ready(60)
     try:
         app = create_app(settings, engine=engine)
-        blocker = engine.submit(engine.encode("hello"), __import__("service.engine", fromlist=["SamplingParams"]).SamplingParams(max_tokens=100_000, temperature=0))
+        blocker = engine.submit(engine.template.encode("hello"), __import__("service.engine", fromlist=["SamplingParams"]).SamplingParams(max_tokens=100_000, temperature=0))
         blocker.next_event(timeout=30)
         response = app.test_client().post(
             "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}, buffered=False
@@ -252,7 +252,7 @@ def test_served_model_name_is_accepted(client):
 
 
 def test_prompt_plus_max_tokens_beyond_context_names_both_numbers(client, engine):
-    prompt_tokens = len(engine.encode(engine.render_prompt(USER)))
+    prompt_tokens = len(engine.template.encode(engine.template.render(USER)))
     response = chat(client, max_tokens=256)
     assert response.status_code == 400
     error = response.get_json()["error"]

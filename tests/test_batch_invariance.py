@@ -117,7 +117,7 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        prompts = [engine.encode(engine.render_prompt([{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
+        prompts = [engine.template.encode(engine.template.render([{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
                    for i in range(8)]
         params = SamplingParams(max_tokens=24, temperature=0.0 if seed is None else 1.0, seed=seed)
         alone, alone_logits = [], []
@@ -172,7 +172,7 @@ def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_s
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        ids = engine.encode(engine.render_prompt([{"role": "user", "content": "a shared system prompt " * 40}]))
+        ids = engine.template.encode(engine.template.render([{"role": "user", "content": "a shared system prompt " * 40}]))
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
         cold = generate(engine, [ids], params)
         cold_logits = list(recorded_logits.values())

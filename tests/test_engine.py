@@ -18,7 +18,7 @@ PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
 def run(engine, params, messages=PROMPT):
     """Generate to the end and return (text, finished event, all events)."""
-    generation = engine.submit(engine.encode(engine.render_prompt(messages)), params)
+    generation = engine.submit(engine.template.encode(engine.template.render(messages)), params)
     events = list(generation.events())
     text = "".join(event.text for event in events if isinstance(event, TextDelta))
     return text, events[-1], events
@@ -46,7 +46,7 @@ def test_max_tokens_ends_with_length_and_counts_tokens(engine):
     assert isinstance(events[0], Started)
     assert isinstance(finished, Finished)
     assert (finished.finish_reason, finished.completion_tokens) == ("length", 5)
-    assert finished.prompt_tokens == len(engine.encode(engine.render_prompt(PROMPT)))
+    assert finished.prompt_tokens == len(engine.template.encode(engine.template.render(PROMPT)))
 
 
 def test_stop_string_from_real_generation_is_cut_and_not_shown(engine):
@@ -61,7 +61,7 @@ def test_stop_string_from_real_generation_is_cut_and_not_shown(engine):
 
 
 def test_cancel_stops_generation_at_next_token(engine):
-    generation = engine.submit(engine.encode(engine.render_prompt(PROMPT)), SamplingParams(max_tokens=10_000, temperature=0.0))
+    generation = engine.submit(engine.template.encode(engine.template.render(PROMPT)), SamplingParams(max_tokens=10_000, temperature=0.0))
     assert isinstance(generation.next_event(timeout=30), Started)
     generation.next_event(timeout=30)
     generation.cancel()
@@ -79,7 +79,7 @@ def test_full_queue_refuses_at_once(make_settings):
     engine.start()
     assert engine.wait_ready(60)
     try:
-        ids = engine.encode(engine.render_prompt(PROMPT))
+        ids = engine.template.encode(engine.template.render(PROMPT))
         running = engine.submit(ids, SamplingParams(max_tokens=10_000, temperature=0.0))
         assert isinstance(running.next_event(timeout=30), Started)
         waiting = engine.submit(ids, SamplingParams(max_tokens=1, temperature=0.0))
@@ -99,7 +99,7 @@ def test_concurrent_generations_interleave(make_settings):
     engine.start()
     assert engine.wait_ready(60)
     try:
-        ids = engine.encode(engine.render_prompt(PROMPT))
+        ids = engine.template.encode(engine.template.render(PROMPT))
         long_run = engine.submit(ids, SamplingParams(max_tokens=400, temperature=0.0))
         assert isinstance(long_run.next_event(timeout=30), Started)
         short = engine.submit(ids, SamplingParams(max_tokens=3, temperature=0.0))
@@ -215,7 +215,7 @@ def test_stopping_the_engine_ends_queued_and_running_generations(make_settings):
     engine = Engine(make_settings(max_running=1))
     engine.start()
     assert engine.wait_ready(60)
-    ids = engine.encode(engine.render_prompt(PROMPT))
+    ids = engine.template.encode(engine.template.render(PROMPT))
     running = engine.submit(ids, SamplingParams(max_tokens=100_000, temperature=0.0))
     assert isinstance(running.next_event(timeout=30), Started)
     queued = engine.submit(ids, SamplingParams(max_tokens=5, temperature=0.0))
@@ -358,7 +358,7 @@ def pieces_of(generation) -> tuple[list[TextDelta], Finished]:
 
 
 def test_a_seeded_reply_continued_from_its_first_tokens_goes_on_as_the_original(exact_engine):
-    prompt_ids = exact_engine.encode(exact_engine.render_prompt(PROMPT))
+    prompt_ids = exact_engine.template.encode(exact_engine.template.render(PROMPT))
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
     original, finished = pieces_of(exact_engine.submit(prompt_ids, params))
     assert finished.finish_reason == "length" and len(original) > 8
@@ -370,7 +370,7 @@ def test_a_seeded_reply_continued_from_its_first_tokens_goes_on_as_the_original(
 
 
 def test_a_continuation_sends_only_new_text_and_counts_the_forced_tokens(engine):
-    prompt_ids = engine.encode(engine.render_prompt(PROMPT))
+    prompt_ids = engine.template.encode(engine.template.render(PROMPT))
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
     original, _ = pieces_of(engine.submit(prompt_ids, params))
     forced = tuple(token for piece in original[:4] for token in piece.token_ids)
@@ -382,7 +382,7 @@ def test_a_continuation_sends_only_new_text_and_counts_the_forced_tokens(engine)
 
 
 def test_a_continuation_whose_forced_tokens_fill_max_tokens_ends_at_once(engine):
-    prompt_ids = engine.encode(engine.render_prompt(PROMPT))
+    prompt_ids = engine.template.encode(engine.template.render(PROMPT))
     params = SamplingParams(max_tokens=6, temperature=0.0)
     original, _ = pieces_of(engine.submit(prompt_ids, params))
     forced = tuple(token for piece in original for token in piece.token_ids)

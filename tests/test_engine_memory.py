@@ -42,7 +42,7 @@ def test_every_row_is_reserved_at_the_longest_rows_length():
 
 def test_the_budget_arithmetic_matches_the_cache_the_engine_builds(engine):
     """A stored prompt's KV state takes exactly kv_bytes_per_token per token (int8 keeps a bf16 cache)."""
-    prompt = engine.encode(engine.render_prompt([{"role": "user", "content": "Measure my cache, please."}]))
+    prompt = engine.template.encode(engine.template.render([{"role": "user", "content": "Measure my cache, please."}]))
     from service.engine import SamplingParams
 
     list(engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0)).events())

@@ -26,7 +26,7 @@ def run_to_end(engine: Engine, prompt_ids: list[int], max_tokens: int = 12) -> t
 
 def prompt_of(engine: Engine, question: str) -> list[int]:
     """Encode a chat with the shared system prompt and one question."""
-    return engine.encode(engine.render_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
+    return engine.template.encode(engine.template.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
 
 
 def started_engine(make_settings, **overrides) -> Engine:
@@ -77,7 +77,7 @@ def test_repeated_prompt_reuses_all_but_its_last_token(fast_engine):
 
 def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_engine, fast_engine):
     """Four streams at once share forward passes and each gets what it gets alone."""
-    prompts = [fast_engine.encode(fast_engine.render_prompt([{"role": "user", "content": q * (i + 1)}]))
+    prompts = [fast_engine.template.encode(fast_engine.template.render([{"role": "user", "content": q * (i + 1)}]))
                for i, q in enumerate(QUESTIONS)]
     alone = [run_to_end(plain_engine, prompt, max_tokens=16)[0] for prompt in prompts]
     together: list[str | None] = [None] * len(prompts)
@@ -118,7 +118,7 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
         running = engine.submit(prompt_of(engine, QUESTIONS[0]), SamplingParams(max_tokens=100_000, temperature=0.0))
         assert isinstance(running.next_event(timeout=30), Started)
         assert running.next_event(timeout=30) is not None  # decoding
-        long_prompt = engine.encode(engine.render_prompt([{"role": "user", "content": SYSTEM * 3}]))
+        long_prompt = engine.template.encode(engine.template.render([{"role": "user", "content": SYSTEM * 3}]))
         chunks = -(-len(long_prompt) // chunk)
         assert chunks >= 20
         _, finished = run_to_end(engine, long_prompt, max_tokens=1)

@@ -103,7 +103,7 @@ def _content_with_prompt_tokens(engine, target: int) -> str:
     """Return user content whose rendered prompt is exactly `target` tokens long."""
     for words in range(target):
         content = "a" + " word" * words
-        count = len(engine.encode(engine.render_prompt([{"role": "user", "content": content}])))
+        count = len(engine.template.encode(engine.template.render([{"role": "user", "content": content}])))
         if count == target:
             return content
         if count > target:

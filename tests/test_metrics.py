@@ -305,7 +305,7 @@ def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled_and_
     still take the prompt and the tokens it was sent."""
     cancelled = local_value("corechat_requests_total", outcome="cancelled")
     prompt, generated = local_value("corechat_prompt_tokens_total"), local_value("corechat_generation_tokens_total")
-    prompt_ids = engine.encode(engine.render_prompt(COUNTING))
+    prompt_ids = engine.template.encode(engine.template.render(COUNTING))
     observed = ObservedGeneration(
         EngineWork(engine.submit(prompt_ids, SamplingParams(max_tokens=10_000, temperature=0.0))),
         arrived_at=time.monotonic(),
@@ -338,4 +338,4 @@ def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, 
     assert all(timings[part] >= 0 for part in (*parts, "first_write")), timings
     assert sum(timings[part] for part in parts) == pytest.approx(timings["first_token"], abs=0.5)
     assert timings["prompt_pass"] > 0
-    assert timings["prompt_tokens"] == len(engine.encode(engine.render_prompt(COUNTING)))
+    assert timings["prompt_tokens"] == len(engine.template.encode(engine.template.render(COUNTING)))

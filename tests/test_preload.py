@@ -63,7 +63,7 @@ def greedy_reply(server, messages) -> str:
 
 def unforked_reply(engine, messages) -> str:
     """Return the greedy reply of the in-process engine, which never forked."""
-    generation = engine.submit(engine.encode(engine.render_prompt(messages)),
+    generation = engine.submit(engine.template.encode(engine.template.render(messages)),
                                SamplingParams(max_tokens=REPLY_TOKENS, temperature=0.0))
     return "".join(event.text for event in generation.events() if isinstance(event, TextDelta))
 

@@ -96,7 +96,9 @@ class ResponseCache:
             return ""
         return f"key:{api_key_hash}"
 
-    def open(self, prepared, fingerprint: str, start, *, scope: str = "", opted_out: bool = False) -> tuple[EventSource, str]:
+    def open(
+        self, prepared, fingerprint: str, start, *, scope: str = "", opted_out: bool = False
+    ) -> tuple[EventSource, str]:
         """Return the source of a reply and its X-Cache value (hit, miss or bypass).
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.

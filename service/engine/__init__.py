@@ -1,10 +1,11 @@
 """Model loading and generation; knows nothing of HTTP."""
 
-from .core import Engine, EngineOverloaded, EngineUnavailable, TemplateRefused
+from .core import Engine, EngineOverloaded, EngineUnavailable
 from .events import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
 from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
+from .template import TemplateRefused
 from .text import TokenLogprob
 
 __all__ = [

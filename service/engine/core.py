@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
 from transformers import AutoConfig
 
 from .events import Failed, Generation
@@ -29,6 +28,7 @@ from .prefixes import PrefixStore
 from .prepare import prepare_model
 from .sampling import SAMPLER_VERSION, SamplingParams
 from .scheduler import Scheduler
+from .template import ChatTemplate
 from .text import TokenSpeller
 
 log = logging.getLogger(__name__)
@@ -47,16 +47,14 @@ class EngineUnavailable(RuntimeError):
     """The engine failed to load or is shutting down."""
 
 
-class TemplateRefused(ValueError):
-    """The model's chat template refused a conversation (a role order it does not support, say)."""
-
-
 class Engine:
     """Owns the tokenizer and model of one worker and generates for every request it accepts."""
 
     def __init__(self, settings):
         self.settings = settings
         self.tokenizer = None
+        # Turns conversations into prompt token ids; made by start().
+        self.template: ChatTemplate | None = None
         self.model = None
         self.model_dir = None
         self.fingerprint = ""
@@ -95,6 +93,7 @@ class Engine:
         self._on_ready, self._on_failure = on_ready, on_failure
         self.model_dir = resolve_model_dir(self.settings.model)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.template = ChatTemplate(self.tokenizer, trust_control_tokens=self.settings.trust_control_tokens_in_messages)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
         config = AutoConfig.from_pretrained(self.model_dir)
@@ -202,7 +201,7 @@ class Engine:
     def _warm_up(self) -> None:
         """Run one real short generation so the first request does not pay for lazy initialisation."""
         began = time.monotonic()
-        prompt_ids = self.encode_chat(WARMUP_MESSAGES)
+        prompt_ids = self.template.encode_chat(WARMUP_MESSAGES)
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
         self._scheduler.run_to_end([generation])
         self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
@@ -226,58 +225,6 @@ class Engine:
         if self._on_failure is not None:
             self._on_failure(reason, while_loading)
 
-    def snapshot_facts(self) -> dict[str, object]:
-        """Return a copy of the facts, safe to iterate while the engine thread adds to them."""
-        # dict.copy runs in C under the GIL, so no key is added halfway through it.
-        return self.facts.copy()
-
-    # Text ----------------------------------------------------------------------------------
-
-    @property
-    def template_supports_tools(self) -> bool:
-        """Tell whether the chat template renders a `tools` list (a template that never reads it would drop them)."""
-        template = self.tokenizer.chat_template
-        if not isinstance(template, str):
-            return False
-        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
-
-    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """Render a conversation through the model's chat template, ready for the reply.
-
-        Raise TemplateRefused when the template rejects the conversation: many templates call
-        raise_exception() on a role order they do not support (two system messages, a conversation
-        starting with the assistant). A template that does not compile is the model's fault, not
-        the request's, and raises as it is.
-        """
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
-        except TemplateSyntaxError:
-            raise
-        except TemplateError as exc:
-            raise TemplateRefused(str(exc)) from None
-
-    def encode(self, prompt: str) -> list[int]:
-        """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Render a conversation for the reply and tokenize it, message text as ordinary text.
-
-        Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
-        cannot open a turn of its own; TRUST_CONTROL_TOKENS_IN_MESSAGES parses them as the template would.
-        """
-        if self.settings.trust_control_tokens_in_messages:
-            return self.encode(self.render_prompt(messages, tools))
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
-            )
-        except TemplateSyntaxError:
-            raise
-        except TemplateError as exc:
-            raise TemplateRefused(str(exc)) from None
-        return list(encoded["input_ids"])
-
     def _find_eos_ids(self) -> set[int]:
         """Collect the ids that end a reply: the generation config's and the tokenizer's EOS."""
         configured = self.generation_defaults.eos_token_id
@@ -285,6 +232,11 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def snapshot_facts(self) -> dict[str, object]:
+        """Return a copy of the facts, safe to iterate while the engine thread adds to them."""
+        # dict.copy runs in C under the GIL, so no key is added halfway through it.
+        return self.facts.copy()
 
     # Requests ------------------------------------------------------------------------------
 

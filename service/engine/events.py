@@ -1,7 +1,7 @@
 """What a request hears of its generation: the event types, the request's handle and the protocol of an event source.
 
-Nothing here imports torch: the layers that pass events on (the response cache, the metrics, the
-disconnect watcher) depend on this file alone, not on the model.
+Nothing here imports torch or touches the model: the layers that pass events on (the response
+cache, the metrics, the disconnect watcher) need these types and nothing else of the engine.
 """
 
 import queue

@@ -1,4 +1,4 @@
-"""The engine thread's loop: admit queued generations, pass prompts in chunks, decode every running one a token per step."""
+"""The engine thread's loop: admit queued generations, pass prompts in chunks, decode running ones a token per step."""
 
 import logging
 import queue

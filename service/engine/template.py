@@ -1,0 +1,61 @@
+"""A conversation to prompt token ids, through the model's own chat template and tokenizer."""
+
+from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template refused a conversation (a role order it does not support, say)."""
+
+
+class ChatTemplate:
+    """Render and tokenize conversations as the model was trained to read them.
+
+    Control tokens typed inside a message (`<|im_start|>`) cost a few ordinary tokens, so a message
+    cannot open a turn of its own; `trust_control_tokens` (TRUST_CONTROL_TOKENS_IN_MESSAGES) parses
+    them as the template would.
+    """
+
+    def __init__(self, tokenizer, *, trust_control_tokens: bool):
+        self.tokenizer = tokenizer
+        self.trust_control_tokens = trust_control_tokens
+
+    @property
+    def supports_tools(self) -> bool:
+        """Tell whether the chat template renders a `tools` list (a template that never reads it would drop them)."""
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str):
+            return False
+        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render a conversation through the model's chat template, ready for the reply.
+
+        Raise TemplateRefused when the template rejects the conversation: many templates call
+        raise_exception() on a role order they do not support (two system messages, a conversation
+        starting with the assistant). A template that does not compile is the model's fault, not
+        the request's, and raises as it is.
+        """
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc)) from None
+
+    def encode(self, prompt: str) -> list[int]:
+        """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render a conversation for the reply and tokenize it, message text as ordinary text."""
+        if self.trust_control_tokens:
+            return self.encode(self.render(messages, tools))
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+            )
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc)) from None
+        return list(encoded["input_ids"])
