@@ -74,6 +74,18 @@ def wait_until(predicate, timeout: float) -> bool:
     return True
 
 
+def file_mappings(path) -> list[tuple[int, int, str]]:
+    """Return this process's memory mappings of a file: (start, end, permissions)."""
+    mappings = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) == 6 and fields[5] == str(path):
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                mappings.append((start, end, fields[1]))
+    return mappings
+
+
 def anonymous_megabytes(pid: int | str = "self") -> float:
     """Return a process's anonymous memory in MB (this process's by default)."""
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():

@@ -9,6 +9,7 @@ import torch
 
 from service import create_app
 from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from support import file_mappings
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 # The tiny model's weights are random, so its replies to PROMPT, greedy or seeded as below, run for
@@ -131,30 +132,16 @@ def test_deadline_ends_generation_with_length(engine):
     assert elapsed < 5  # only catches a deadline that never fires
 
 
-def mapped_ranges(path) -> list[tuple[int, int]]:
-    """Return the address ranges this process maps `path` at (adjacent ones merged), from /proc/self/maps."""
-    ranges: list[tuple[int, int]] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") == str(path):
-                begin, end = (int(address, 16) for address in fields[0].split("-"))
-                if ranges and ranges[-1][1] == begin:
-                    begin = ranges.pop()[0]
-                ranges.append((begin, end))
-    return ranges
-
-
-def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
-    """Tell whether every byte of a tensor's memory lies inside one of the address ranges."""
+def lies_in(tensor: torch.Tensor, mappings: list[tuple[int, int, str]]) -> bool:
+    """Tell whether every byte of a tensor's memory lies inside one of the mappings."""
     begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
-    return any(low <= begin and end <= high for low, high in ranges)
+    end = begin + tensor.nbytes
+    return any(low <= begin and end <= high for low, high, _ in mappings)
 
 
 def nbytes(tensors) -> int:
     """Return the bytes the tensors' elements take."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    return sum(tensor.nbytes for tensor in tensors)
 
 
 def test_model_weights_are_mapped_from_the_file(engine):
@@ -163,8 +150,8 @@ def test_model_weights_are_mapped_from_the_file(engine):
     Only the float32 biases and the rotary frequencies are the worker's own: well under 1% of the bytes.
     """
     assert engine.settings.dtype == "int8"
-    checkpoint = mapped_ranges(engine.model_dir / "model.safetensors")
-    converted = mapped_ranges(engine.facts["converted_weights"])
+    checkpoint = file_mappings(engine.model_dir / "model.safetensors")
+    converted = file_mappings(engine.facts["converted_weights"])
     assert checkpoint and converted
     parameters = dict(engine.model.named_parameters())
     buffers = dict(engine.model.named_buffers())

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from service.engine.loading import ModelNotFound, load_model, map_safetensors, resolve_model_dir
-from support import REPO, free_port
+from support import REPO, file_mappings, free_port
 
 
 def test_missing_folder_names_the_fix(tmp_path):
@@ -49,18 +49,6 @@ def test_sharded_checkpoint_loads_to_the_same_model(tiny_model_dir, tmp_path):
     ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
     with torch.inference_mode():
         assert torch.equal(single(input_ids=ids).logits, sharded(input_ids=ids).logits)
-
-
-def file_mappings(path) -> list[tuple[int, int, str]]:
-    """Return this process's memory mappings of a file: (start, end, permissions)."""
-    mappings = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) == 6 and fields[5] == str(path):
-                start, end = (int(address, 16) for address in fields[0].split("-"))
-                mappings.append((start, end, fields[1]))
-    return mappings
 
 
 def test_served_parameters_lie_inside_one_private_mapping_of_the_weights_file(tiny_model_dir):
