@@ -10,6 +10,7 @@ from .disconnect import WatchedSource
 from .errors import InvalidRequest, NotFound
 from .limits import read_request_body
 from .observed import EngineWork, observe
+from .protocol import Health, Model, ModelList, Readiness
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -49,7 +50,8 @@ def create_chat_completion():
         response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
     else:
         try:
-            response = jsonify(chat.complete(prepared, WatchedSource(source, request.environ)))
+            completion = chat.complete(prepared, WatchedSource(source, request.environ))
+            response = jsonify(completion.model_dump(exclude_unset=True))
         finally:
             set_status(settled_status(reply, cache_status))
     # A stream whose client is gone before its first byte never runs its generator's `finally`.
@@ -57,31 +59,31 @@ def create_chat_completion():
     return response
 
 
-def _model_card() -> dict:
+def _model_card() -> Model:
     """Describe the served model as OpenAI's model object."""
     core = current_app.extensions["corechat"]
-    return {"id": core.chat.model_name, "object": "model", "created": core.started_at, "owned_by": "corechat"}
+    return Model(id=core.chat.model_name, object="model", created=core.started_at, owned_by="corechat")
 
 
 @bp.get("/v1/models")
 def list_models():
     """List the one served model."""
-    return jsonify({"object": "list", "data": [_model_card()]})
+    return jsonify(ModelList(object="list", data=[_model_card()]).model_dump())
 
 
 @bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str):
     """Describe the served model, or 404 for any other id."""
     card = _model_card()
-    if model_id != card["id"]:
+    if model_id != card.id:
         raise NotFound(f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-    return jsonify(card)
+    return jsonify(card.model_dump())
 
 
 @bp.get("/healthz")
 def check_health():
     """Answer at once while the process is alive (liveness)."""
-    return jsonify({"status": "ok"})
+    return jsonify(Health(status="ok").model_dump())
 
 
 @bp.get("/readyz")
@@ -103,7 +105,7 @@ def check_ready():
     }
     if not may_see_details():
         body = {key: body[key] for key in PUBLIC_READINESS if key in body}
-    return jsonify(body), 200 if engine.ready else 503
+    return jsonify(Readiness.model_validate(body).model_dump(exclude_unset=True)), 200 if engine.ready else 503
 
 
 def init_app(app) -> None:

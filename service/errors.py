@@ -3,11 +3,32 @@
 import json
 import logging
 from http import HTTPStatus
+from typing import Annotated, Literal
 
 from flask import jsonify
+from pydantic import BaseModel, ConfigDict, Field
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong, with OpenAI's `type`, `param` (the request field at fault) and `code`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    message: Annotated[str, Field(min_length=1)]
+    type: Literal["invalid_request_error", "authentication_error", "server_error"]
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object; every non-2xx JSON response, and an error inside a stream, has this shape."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -24,9 +45,9 @@ class APIError(Exception):
         self.code = code or self.code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> ErrorResponse:
         """Return the OpenAI error object."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
 class InvalidRequest(APIError):
@@ -76,7 +97,7 @@ class InternalError(APIError):
 
 def error_response(error: APIError):
     """Render an APIError as an HTTP response."""
-    response = jsonify(error.body())
+    response = jsonify(error.body().model_dump())
     response.status_code = error.status
     response.headers.update(error.headers)
     return response
@@ -86,7 +107,7 @@ def raw_error_response(error: APIError) -> bytes:
     """Render an APIError as a whole HTTP/1.1 response that closes the connection, for the errors
     the worker answers before (or instead of) the app: a request too slow, too large, malformed, or
     beyond the worker's capacity."""
-    body = json.dumps(error.body()).encode()
+    body = json.dumps(error.body().model_dump()).encode()
     head = [
         f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
         "Content-Type: application/json",

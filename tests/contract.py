@@ -39,7 +39,7 @@ def assert_matches_contract(path: str, method: str, status: int, content_type: s
     if media_type == "text/event-stream":
         payloads = sse_payloads(body.decode())
         assert payloads[-1] == "[DONE]"
-        chunk, error = schema_validator("ChatCompletionChunk"), schema_validator("Error")
+        chunk, error = schema_validator("ChatCompletionChunk"), schema_validator("ErrorResponse")
         for payload in payloads[:-1]:
             assert chunk.is_valid(payload) or error.is_valid(payload), payload
     elif media_type == "application/json":

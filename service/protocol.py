@@ -1,0 +1,188 @@
+"""The response objects of the API, defined once: the views render them and /openapi.json describes them
+(the error object lives with the errors, in service/errors.py).
+
+Rendered with `model_dump(exclude_unset=True)`: a field with a default goes out only when it is set, so
+each object carries exactly the fields OpenAI's carries in that case (`usage` on a stream's chunks only
+with `include_usage`, `tool_calls` only when the reply called tools), while a field set to None is
+sent as `null`.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from .errors import ErrorResponse
+from .schemas import MAX_TOP_LOGPROBS, ToolCall
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
+Count = Annotated[int, Field(ge=0)]
+Byte = Annotated[int, Field(ge=0, le=255)]
+# The type of a field that is left out unless set, and never sent as null (the schema shows no null).
+Omitted = SkipJsonSchema[None]
+
+
+def _without_default(schema: dict) -> None:
+    """Drop the `default: null` of an omitted field from its schema: a client never sees that null."""
+    schema.pop("default", None)
+
+
+def omitted() -> Any:
+    """Declare a field left out of the object unless set."""
+    return Field(None, json_schema_extra=_without_default)
+
+
+class _Response(BaseModel):
+    """A response object: built by the server from checked values, so it validates without coercion."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Usage(_Response):
+    """The tokens a completion took."""
+
+    prompt_tokens: Count
+    completion_tokens: Count
+    total_tokens: Count
+
+
+class TopLogprob(_Response):
+    """One of the most likely tokens at a position, with its log probability."""
+
+    token: str
+    logprob: Annotated[float, Field(le=0)]
+    bytes: list[Byte] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A token of the reply: its log probability and the `top_logprobs` most likely alternatives."""
+
+    top_logprobs: Annotated[list[TopLogprob], Field(max_length=MAX_TOP_LOGPROBS)]
+
+
+class ChoiceLogprobs(_Response):
+    """Each token's log probability under the distribution the sampler drew from."""
+
+    content: list[TokenLogprob]
+
+
+LogprobsField = Annotated[
+    ChoiceLogprobs | None, Field(description="With `logprobs: true` the reply's tokens' log probabilities; otherwise null.")
+]
+
+
+class AssistantMessage(_Response):
+    """The reply; `content` is null when the reply is tool calls alone."""
+
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | Omitted = omitted()
+
+
+class Choice(_Response):
+    """The one choice of a whole reply."""
+
+    index: Literal[0]
+    message: AssistantMessage
+    logprobs: LogprobsField
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Response):
+    """A whole reply to `POST /v1/chat/completions`."""
+
+    id: CompletionId
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[Choice], Field(min_length=1, max_length=1)]
+    usage: Usage
+
+
+class DeltaFunctionCall(_Response):
+    """A piece of a streamed call's function: the name in its first piece, then `arguments` text."""
+
+    name: str | Omitted = omitted()
+    arguments: str | Omitted = omitted()
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: the first carries its id, type and name; later ones (same `index`) add
+    `function.arguments` text."""
+
+    index: Count
+    id: Annotated[str, Field(pattern="^call_")] | Omitted = omitted()
+    type: Literal["function"] | Omitted = omitted()
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_Response):
+    """What a chunk adds to the reply: the role first, then content or tool-call pieces."""
+
+    role: Literal["assistant"] | Omitted = omitted()
+    content: str | Omitted = omitted()
+    tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] | Omitted = omitted()
+
+
+class ChunkChoice(_Response):
+    """The one choice of a chunk."""
+
+    index: Literal[0]
+    delta: DeltaMessage
+    logprobs: LogprobsField
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(_Response):
+    """One `data:` event of a stream. The stream ends with `data: [DONE]`; `: ping` comments keep it alive
+    while waiting. An error after the first event arrives as an ErrorResponse event. With
+    `stream_options.include_usage` every chunk carries `usage` (null until the last, whose `choices` is
+    empty)."""
+
+    id: CompletionId
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[ChunkChoice], Field(max_length=1)]
+    usage: Usage | None = None
+
+
+class Model(_Response):
+    """The served model."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Response):
+    """The models this server serves: one."""
+
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(_Response):
+    """The process is alive."""
+
+    status: Literal["ok"]
+
+
+class Readiness(_Response):
+    """This worker's state and counts. With API keys on, a caller without a key gets only these and
+    requests_finished; otherwise the model and more facts (load and warm-up seconds, threads, ...) appear."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    model: str | Omitted = omitted()
+    worker_pid: int
+    running: Count
+    waiting: Count
+
+
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, Health, Readiness)
