@@ -16,6 +16,8 @@ from .schemas import ChatCompletionRequest
 bp = Blueprint("openapi", __name__)
 
 REF = "#/components/schemas/{model}"
+# What the files under service/static/ are served as.
+STATIC_MEDIA_TYPES = ("text/html", "text/javascript", "text/css", "image/svg+xml")
 
 
 def _json(schema_name: str, description: str) -> dict:
@@ -72,6 +74,11 @@ def _paths() -> dict:
             {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         ),
         "/": _get("The chat page.", {"description": "An HTML page.", "content": {"text/html": {"schema": {"type": "string"}}}}),
+        "/static/{filename}": {
+            **_get("A file of the chat page.", {"description": "The page's HTML, scripts, style and icon.", "content": {
+                media_type: {"schema": {"type": "string"}} for media_type in STATIC_MEDIA_TYPES}}),
+            "parameters": [{"name": "filename", "in": "path", "required": True, "schema": {"type": "string"}}],
+        },
         "/openapi.json": _get(
             "This document.", {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}
         ),

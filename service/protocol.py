@@ -10,7 +10,6 @@ sent as `null`.
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
 
 from .errors import ErrorResponse
 from .schemas import MAX_TOP_LOGPROBS, ToolCall
@@ -19,8 +18,6 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
 Count = Annotated[int, Field(ge=0)]
 Byte = Annotated[int, Field(ge=0, le=255)]
-# The type of a field that is left out unless set, and never sent as null (the schema shows no null).
-Omitted = SkipJsonSchema[None]
 
 
 def _without_default(schema: dict) -> None:
@@ -29,7 +26,8 @@ def _without_default(schema: dict) -> None:
 
 
 def omitted() -> Any:
-    """Declare a field left out of the object unless set."""
+    """Declare a field left out of the object unless set. Its type has no None, so it is never sent as null:
+    the unset default is not validated, and rendering leaves it out."""
     return Field(None, json_schema_extra=_without_default)
 
 
@@ -77,7 +75,7 @@ class AssistantMessage(_Response):
 
     role: Literal["assistant"]
     content: str | None
-    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | Omitted = omitted()
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] = omitted()
 
 
 class Choice(_Response):
@@ -104,8 +102,8 @@ class ChatCompletion(_Response):
 class DeltaFunctionCall(_Response):
     """A piece of a streamed call's function: the name in its first piece, then `arguments` text."""
 
-    name: str | Omitted = omitted()
-    arguments: str | Omitted = omitted()
+    name: str = omitted()
+    arguments: str = omitted()
 
 
 class DeltaToolCall(_Response):
@@ -113,17 +111,17 @@ class DeltaToolCall(_Response):
     `function.arguments` text."""
 
     index: Count
-    id: Annotated[str, Field(pattern="^call_")] | Omitted = omitted()
-    type: Literal["function"] | Omitted = omitted()
+    id: Annotated[str, Field(pattern="^call_")] = omitted()
+    type: Literal["function"] = omitted()
     function: DeltaFunctionCall
 
 
 class DeltaMessage(_Response):
     """What a chunk adds to the reply: the role first, then content or tool-call pieces."""
 
-    role: Literal["assistant"] | Omitted = omitted()
-    content: str | Omitted = omitted()
-    tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] | Omitted = omitted()
+    role: Literal["assistant"] = omitted()
+    content: str = omitted()
+    tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] = omitted()
 
 
 class ChunkChoice(_Response):
@@ -179,7 +177,7 @@ class Readiness(_Response):
     model_config = ConfigDict(extra="allow")
 
     status: str
-    model: str | Omitted = omitted()
+    model: str = omitted()
     worker_pid: int
     running: Count
     waiting: Count
