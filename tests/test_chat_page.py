@@ -227,8 +227,9 @@ HOSTILE_TEXT = (
     '<img src=x onerror="window.__pwned = \'img\'; alert(1)">'
     "<b>bold?</b> & done"
 )
-IN_BAND_ERROR = {"error": {"message": "generation failed: RuntimeError", "type": "server_error", "param": None,
-                           "code": "internal_error"}}
+# An error message is rendered by the page too: it carries the same markup.
+IN_BAND_ERROR = {"error": {"message": f"generation failed: RuntimeError {HOSTILE_TEXT}", "type": "server_error",
+                           "param": None, "code": "internal_error"}}
 
 
 def scripted_sse(content_pieces: list[str], *, error: dict | None = None) -> list[bytes]:
@@ -318,10 +319,15 @@ def test_hostile_reply_is_shown_as_text_and_never_runs(browser, scripted_server)
     assert "4 tokens" in reply["stats"] and "finish: stop" in reply["stats"]
 
 
-def test_in_band_stream_error_is_shown(browser, scripted_server):
+def test_in_band_stream_error_is_shown_as_text_and_never_runs(browser, scripted_server):
     open_page(browser, scripted_server, api_key=None)
     send(browser, "fail please")
-    assert "failed mid-reply: generation failed: RuntimeError" in error_text(browser)
+    assert f"failed mid-reply: generation failed: RuntimeError {HOSTILE_TEXT}" in error_text(browser)
+    time.sleep(0.3)  # give a broken image's onerror the moment it would need to fire
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text
+    assert browser.execute_script("return window.__pwned === undefined")
+    assert browser.find_elements(By.CSS_SELECTOR, "#conversation img, #conversation script, #conversation b") == []
 
 
 def test_sse_parser_gives_the_same_events_however_the_bytes_are_split(browser, scripted_server):
