@@ -210,9 +210,9 @@ class ChatCompletions:
             ) from None
 
     # Rendering -----------------------------------------------------------------------------
-    # A stream's chunks are built as plain data and framed by json.dumps, which takes half the time of
-    # validating protocol.ChatCompletionChunk per token; tests/test_protocol.py checks that every chunk
-    # validates and renders byte for byte as the model renders it.
+    # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
+    # half what building and dumping protocol.ChatCompletionChunk does. tests/test_protocol.py checks
+    # that every chunk validates as that model and renders byte for byte as the model renders it.
 
     def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None) -> dict:
         """Build one chat.completion.chunk object (`logprobs`: the entries of the tokens it delivers)."""

@@ -3,10 +3,10 @@
 import json
 import logging
 from http import HTTPStatus
-from typing import Annotated, Literal
+from typing import Literal
 
 from flask import jsonify
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,7 @@ class ErrorDetail(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    message: Annotated[str, Field(min_length=1)]
+    message: str
     type: Literal["invalid_request_error", "authentication_error", "server_error"]
     param: str | None
     code: str | None
