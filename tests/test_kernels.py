@@ -124,6 +124,39 @@ def test_thread_count_does_not_change_the_output():
     assert torch.equal(one, two)
 
 
+def test_a_product_runs_on_every_thread_it_is_given():
+    """The library is built with OpenMP (without it at::parallel_for runs on one thread): a large
+    product with two torch threads keeps two of this process's threads busy."""
+    library = kernels.load(Path(Settings().kernels_dir))
+    imported = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True, text=True,
+                              check=True).stdout
+    assert "GOMP_parallel" in imported
+    generator = torch.Generator().manual_seed(5)
+    weight, scales = quantized(INT8, 4864, 896, generator)
+    x = torch.randn(64, 896, generator=generator).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        before = thread_ticks()
+        for _ in range(40):
+            product(INT8, x, weight, scales, 4864, path="best")
+        after = thread_ticks()
+    finally:
+        torch.set_num_threads(threads)
+    used = sorted((ticks - before.get(tid, 0) for tid, ticks in after.items()), reverse=True)
+    assert used[0] > 0
+    assert used[1] >= 0.25 * used[0], used[:4]
+
+
+def thread_ticks() -> dict[int, int]:
+    """Return each thread of this process's user plus system CPU time, in clock ticks."""
+    ticks = {}
+    for task in Path("/proc/self/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     """Widths the formats cannot hold, mismatched scales and row counts are refused with a message."""
     weight, scales = quantize_int8(torch.randn(8, 64))

@@ -30,6 +30,10 @@ LIBRARY_NAME = "libcorechat_kernels.so"
 COMPILER = "g++"
 COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall")
 BASELINE_SOURCES = ("reference.cpp",)
+# at::parallel_for is a header template: built without OpenMP it runs every range on one thread.
+# The library links the libgomp torch ships (found through torch's lib folder), never a second one.
+OPS_FLAGS = ("-fopenmp",)
+LINK_LIBRARIES = ("-lc10", "-ltorch_cpu", "-l:libgomp.so.1")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ def build_key(sets: list[InstructionSet]) -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(f"{torch.__version__}|{platform.machine()}|{COMMON_FLAGS}".encode())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{COMMON_FLAGS}|{OPS_FLAGS}|{LINK_LIBRARIES}".encode())
     for isa in sets:
         digest.update(f"|{isa.name}:{isa.compiler_flags}".encode())
     return digest.hexdigest()[:16]
@@ -103,15 +107,15 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list
     defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    units.append(("ops.cpp", (abi, *defines, *includes)))
+    units.append(("ops.cpp", (*OPS_FLAGS, abi, *defines, *includes)))
     compiles, objects = [], []
     for source, flags in units:
         target = build_dir / (Path(source).stem + ".o")
         compiles.append([COMPILER, *COMMON_FLAGS, *flags, "-c", str(SOURCE_DIR / source), "-o", str(target)])
         objects.append(str(target))
     library_dir = torch_dir / "lib"
-    link = [COMPILER, "-shared", *objects, "-o", str(build_dir / LIBRARY_NAME), f"-L{library_dir}", "-lc10",
-            "-ltorch_cpu", f"-Wl,-rpath,{library_dir}"]
+    link = [COMPILER, "-shared", *objects, "-o", str(build_dir / LIBRARY_NAME), f"-L{library_dir}", *LINK_LIBRARIES,
+            f"-Wl,-rpath,{library_dir}"]
     return compiles, link
 
 
