@@ -1,6 +1,7 @@
 """What Gunicorn's hooks do: give workers slots and cores, then start each worker's engine."""
 
 import logging
+import mmap
 import os
 import signal
 import sys
@@ -8,7 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from .metrics import report_not_ready, report_ready
-from .settings import physical_core_groups
+from .settings import physical_core_groups, physical_cores
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,18 @@ def import_worker_libraries() -> None:
     gc.freeze()
 
 
+# The table through which this master's workers lend idle cores (engine/cores.py), one byte per
+# slot: made in the master before its first fork, so every worker it forks shares it. Far more
+# slots than workers, as a respawned worker takes the lowest free slot.
+CORE_TABLE_SLOTS = 64
+_core_table: mmap.mmap | None = None
+
+
 def assign_slot(server, worker) -> None:
     """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
+    global _core_table
+    if _core_table is None:
+        _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS)
     taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}
     worker.slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
@@ -54,6 +65,8 @@ def boot_worker(worker) -> None:
     connections once the engine is ready (after fork)."""
     import torch
 
+    from .engine.cores import SharedCores
+
     core = worker.wsgi.extensions["corechat"]
     settings = core.settings
     slot = getattr(worker, "slot", 0)
@@ -63,11 +76,16 @@ def boot_worker(worker) -> None:
         log.info("worker %d (slot %d) pinned to CPUs %s", os.getpid(), slot, cpus)
     torch.set_num_threads(settings.threads_per_worker)
     torch.set_num_interop_threads(1)
-    core.engine.facts.update(slot=slot, workers=settings.worker_count)
+    # A pinned worker may only run on its own cores.
+    lending = settings.lend_idle_cores and not settings.pin_workers
+    cores = SharedCores(_core_table if lending else None, slot, physical_cores(), settings.threads_per_worker,
+                        torch.set_num_threads)
+    core.engine.facts.update(slot=slot, workers=settings.worker_count, lends_cores=cores.lends)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
     core.engine.start(
         on_ready=partial(failures_file.unlink, missing_ok=True),
         on_failure=partial(exit_after_engine_failure, worker, failures_file),
+        cores=cores,
     )
     worker.open_when(lambda: wait_until_settled(core.engine), lambda: report_ready(core.engine, settings))
 

@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     pin_workers: bool = Field(
         False, description="Pin each worker to its own physical cores with sched_setaffinity."
     )
+    lend_idle_cores: bool = Field(
+        True, description="A worker with work also uses the cores of workers that have none, so a lone stream "
+        "runs on every core; once all are busy each keeps its own. Off, or with PIN_WORKERS, each worker keeps "
+        "its TORCH_THREADS. Assumes the machine's cores are the service's (docs/performance.md)."
+    )
     max_queue: int = Field(
         16, ge=1, description="Requests a worker accepts beyond those running; more get a 503."
     )

@@ -144,3 +144,19 @@ def test_without_preloading_the_master_never_loads_torch(tiny_model_dir, tmp_pat
         (pid,) = server.worker_pids()
         assert "libtorch_cpu" in maps_of(pid)
         assert chat(server, max_tokens=2).status_code == 200
+
+
+def test_a_lone_request_runs_on_every_core_with_the_defaults(default_server):
+    """With one worker per core and one thread each, a worker alone with work borrows the idle
+    worker's core: its long prompt keeps two of its threads busy (LEND_IDLE_CORES)."""
+    pids = default_server.worker_pids()
+    assert all(facts["lends_cores"] for facts in ready_facts(default_server).values()) == (physical_cores() > 1)
+    before = {pid: cpu_ticks_by_thread(pid) for pid in pids}
+    assert chat(default_server, messages=LONG_PROMPT, max_tokens=1).status_code == 200
+    after = {pid: cpu_ticks_by_thread(pid) for pid in pids}
+    used = {pid: sorted((ticks - before[pid].get(tid, 0) for tid, ticks in after[pid].items()), reverse=True)
+            for pid in pids}
+    served = max(pids, key=lambda pid: sum(used[pid]))
+    assert used[served][0] > 0
+    if physical_cores() > 1:
+        assert used[served][1] >= 0.25 * used[served][0], used[served][:4]

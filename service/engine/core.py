@@ -23,6 +23,7 @@ from .loading import (
     model_fingerprint,
     resolve_model_dir,
 )
+from .cores import SharedCores, no_sharing
 from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, return_freed_memory
 from .prefixes import PrefixStore
 from .prepare import prepare_model
@@ -83,14 +84,15 @@ class Engine:
 
     # Lifecycle -----------------------------------------------------------------------------
 
-    def start(self, on_ready=None, on_failure=None) -> None:
+    def start(self, on_ready=None, on_failure=None, cores: SharedCores | None = None) -> None:
         """Load the tokenizer now (failing fast on a bad MODEL), then load and warm up in a thread.
 
         The engine thread calls on_ready() once it serves, and on_failure(reason, while_loading)
         when the model fails to load or the engine loop fails, after every request got its last
-        event (a worker exits there).
+        event (a worker exits there). With `cores`, the engine uses the cores idle workers lend.
         """
         self._on_ready, self._on_failure = on_ready, on_failure
+        self.cores = cores or no_sharing(torch.get_num_threads())
         self.model_dir = resolve_model_dir(self.settings.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.template = ChatTemplate(self.tokenizer, trust_control_tokens=self.settings.trust_control_tokens_in_messages)
@@ -146,6 +148,7 @@ class Engine:
             self._load_weights()
             if self.settings.warmup:
                 self._warm_up()
+                self.cores.release()
         except Exception as exc:  # a bad model must not take the worker down silently
             log.exception("model failed to load")
             self._fail(f"the model failed to load: {type(exc).__name__}: {exc}", while_loading=True)
@@ -174,7 +177,7 @@ class Engine:
         parameters = sum(p.numel() for p in self.model.parameters())
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
         prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
-                                 Path(self.settings.kernels_dir), files_fingerprint)
+                                 Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take)
         weight_format = prepared.pop("weight_format")
         self.facts.update(prepared)
         if "converted_weights" in prepared:
@@ -195,6 +198,7 @@ class Engine:
             self.settings, self.model, self.tokenizer, pending=self._pending,
             prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024),
             eos_ids=self._eos_ids, speller=self._speller, kv_token_budget=self.kv_token_budget, facts=self.facts,
+            cores=self.cores,
         )
         log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts["load_seconds"], dtype)
 

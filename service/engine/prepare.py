@@ -1,20 +1,24 @@
 """Ready a loaded model for its DTYPE: quantized weights, corechat's kernels, the lean forward."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 from . import kernels, qwen2
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS, apply_quantized
 
 
-def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str) -> dict:
+def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str,
+                  between_layers: Callable[[], object] | None = None) -> dict:
     """Ready a loaded model for its DTYPE; return the facts to report, `weight_format` among them.
 
     int8 and int4 swap in QuantizedLinear layers; they and bfloat16 attend with corechat's kernel
     and, for Qwen2-family models, run the lean forward (qwen2.py), so the kernels are loaded for
     all three. float32 runs transformers' own code only. weight_format names what decides the
-    replies' bits, so hosts that differ in it never share cached replies.
+    replies' bits, so hosts that differ in it never share cached replies. between_layers runs
+    before every decoder layer of every forward (the engine's core sharing, cores.py).
     """
     if dtype == "float32":
+        call_between_layers(model, between_layers)
         return {"weight_format": dtype, "forward": "transformers"}
     kernels.load(kernels_dir)
     facts = {"weight_format": f"{dtype}:v{FORMAT_VERSION}", "kernel_paths": ",".join(kernels.available_paths())}
@@ -22,5 +26,17 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
     if fmt is not None:
         converted = apply_quantized(model, fmt, model_dir, converted_dir, fingerprint)
         facts.update(quantization=f"{fmt.description}, {ACTIVATIONS}", converted_weights=str(converted))
-    facts["forward"] = "lean" if qwen2.install(model) else "transformers"
+    lean = qwen2.install(model, between_layers)
+    if not lean:
+        call_between_layers(model, between_layers)
+    facts["forward"] = "lean" if lean else "transformers"
     return facts
+
+
+def call_between_layers(model, between_layers: Callable[[], object] | None) -> None:
+    """Run between_layers before each decoder layer of transformers' forward."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if between_layers is None or layers is None:
+        return
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: between_layers())

@@ -9,7 +9,9 @@ row with `row_starts`; anything else (a batch of padded prompts) goes to transfo
 It keeps transformers' DynamicCache, so the prefix store and the batch joins work unchanged.
 """
 
+import functools
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +23,15 @@ from .quantized import QuantizedLinear
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 
-def install(model) -> bool:
-    """Give a bf16 Qwen2-family model the lean forward; return whether it got it."""
+def install(model, between_layers: Callable[[], object] | None = None) -> bool:
+    """Give a bf16 Qwen2-family model the lean forward, calling between_layers before each decoder
+    layer; return whether it got it."""
     config = model.config
     if (type(model).__name__ not in ARCHITECTURES or model.dtype != torch.bfloat16
             or getattr(config, "use_sliding_window", False) or config.hidden_act != "silu"
             or not hasattr(torch.ops.corechat, "attention")):
         return False
-    model.forward = types.MethodType(lean_forward, model)
+    model.forward = types.MethodType(functools.partial(lean_forward, between_layers=between_layers), model)
     return True
 
 
@@ -54,7 +57,7 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
 
 
 def lean_forward(model, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=True,
-                 logits_to_keep=0, row_starts=None, **kwargs):
+                 logits_to_keep=0, row_starts=None, between_layers=None, **kwargs):
     """Run Qwen2ForCausalLM.forward's operations for one prompt chunk or one decode step of a batch."""
     batch, length = input_ids.shape
     # The attention kernel's calls (attention.kernel_applies): one sequence, or single tokens with starts.
@@ -72,6 +75,8 @@ def lean_forward(model, input_ids=None, attention_mask=None, position_ids=None, 
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     head_dim = inner.layers[0].self_attn.head_dim
     for index, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
+        if between_layers is not None:
+            between_layers()
         attention = layer.self_attn
         residual = hidden
         states = rms_norm(hidden, layer.input_layernorm)

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from .batching import DecodeBatch
+from .cores import SharedCores
 from .events import Failed, Finished, Generation, Started, TextDelta
 from .grammar import mask_logits
 from .memory import reserved_kv_tokens, return_freed_memory
@@ -50,7 +51,7 @@ class Scheduler:
     """
 
     def __init__(self, settings, model, tokenizer, *, pending: queue.Queue, prefixes: PrefixStore, eos_ids: set[int],
-                 speller: TokenSpeller, kv_token_budget: int, facts: dict[str, object]):
+                 speller: TokenSpeller, kv_token_budget: int, facts: dict[str, object], cores: SharedCores):
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
@@ -61,6 +62,7 @@ class Scheduler:
         # Cache tokens (padding included) the running sequences may reach together.
         self.kv_token_budget = kv_token_budget
         self.facts = facts
+        self.cores = cores
         # Sequences taken off the queue and not yet ended; read by other threads for /readyz and submit.
         self.running = 0
         self._decode_seconds = 0.0
@@ -84,6 +86,7 @@ class Scheduler:
                 busy = self.running
                 self.running = len(active) + len(prefilling)
                 if busy and not self.running:
+                    self.cores.release()
                     # Going idle: glibc keeps what the finished requests freed (caches, prompts,
                     # texts) inside its arenas unless it lies at a heap's top; hand it back now.
                     return_freed_memory()
