@@ -65,7 +65,7 @@ def boot_worker(worker) -> None:
     connections once the engine is ready (after fork)."""
     import torch
 
-    from .engine.cores import SharedCores
+    from .engine.cores import MachineLoad, SharedCores
 
     core = worker.wsgi.extensions["corechat"]
     settings = core.settings
@@ -79,7 +79,7 @@ def boot_worker(worker) -> None:
     # A pinned worker may only run on its own cores.
     lending = settings.lend_idle_cores and not settings.pin_workers
     cores = SharedCores(_core_table if lending else None, slot, physical_cores(), settings.threads_per_worker,
-                        torch.set_num_threads)
+                        torch.set_num_threads, MachineLoad())
     core.engine.facts.update(slot=slot, workers=settings.worker_count, lends_cores=cores.lends)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
     core.engine.start(

@@ -390,3 +390,20 @@ class StreamingClient:
         """Wait for the stream to end."""
         assert self.ended.wait(timeout), "the stream did not end"
         return self
+
+
+def threads_of(pid: int) -> list[int]:
+    """Return the thread ids of a process."""
+    return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def cpu_ticks_by_thread(pid: int) -> dict[int, int]:
+    """Return each thread's user plus system CPU time, in clock ticks."""
+    ticks = {}
+    for tid in threads_of(pid):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks

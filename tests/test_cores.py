@@ -3,10 +3,17 @@ table, across fork, and with the defaults of `make serve` over HTTP."""
 
 import mmap
 import os
+import time
 
-from service.engine.cores import SharedCores, no_sharing
+import pytest
+
+from service.engine.cores import LOAD_WINDOW_SECONDS, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
+from service.settings import physical_cores
+from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 
 CORES = 2
+# A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).
+LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lights the lamp. " * 200}]
 
 
 class Threads:
@@ -95,3 +102,66 @@ def test_forked_workers_see_each_other_through_the_masters_table():
         os._exit(0 if b.take() == 1 and table[1] == 1 else 1)
     assert os.waitpid(child, 0)[1] == 0
     assert table[1] == 1 and a.take() == 1
+
+
+class Clocks:
+    """A machine's busy CPU seconds, this process's CPU seconds and the time, set by the test."""
+
+    def __init__(self) -> None:
+        self.busy = self.own = self.now = 0.0
+
+    def load(self) -> MachineLoad:
+        """Return a MachineLoad reading these clocks."""
+        return MachineLoad(lambda: self.busy, lambda: self.own, lambda: self.now)
+
+    def advance(self, seconds: float, busy_cpus: float, own_cpus: float) -> None:
+        """Let time pass with the machine busy on busy_cpus CPUs, own_cpus of them this process's."""
+        self.now += seconds
+        self.busy += seconds * busy_cpus
+        self.own += seconds * own_cpus
+
+
+def test_a_machine_busy_with_other_processes_lends_no_core():
+    clocks = Clocks()
+    lender = SharedCores(mmap.mmap(-1, 64), 0, CORES, 1, Threads(), clocks.load(), cpus=CORES)
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=0.1, own_cpus=0.0)
+    assert lender.take() == 2, "a tenth of a CPU elsewhere leaves a core idle"
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, own_cpus=2.0)
+    assert lender.take() == 2, "this process's own threads are not another's load"
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, own_cpus=1.0)
+    assert lender.take() == 1, "another process kept a CPU busy: the second thread would wait for it"
+    clocks.advance(LOAD_WINDOW_SECONDS / 2, busy_cpus=1.0, own_cpus=1.0)
+    assert lender.take() == 1, "the load is measured again only once a window is over"
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=1.0, own_cpus=1.0)
+    assert lender.take() == 2
+
+
+def test_the_machine_load_reads_this_machine():
+    load = MachineLoad()
+    before = busy_cpu_seconds()
+    deadline = time.monotonic() + LOAD_WINDOW_SECONDS
+    while time.monotonic() < deadline:
+        pass  # this process's own work, which others() leaves out
+    assert busy_cpu_seconds() >= before
+    assert 0.0 <= load.others() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.serial
+def test_a_lone_request_runs_on_every_core_with_the_defaults(tiny_model_dir, tmp_path):
+    """With one worker per core and one thread each (`make serve` on this machine), a worker alone
+    with work borrows the idle worker's core: its long prompt keeps two of its threads busy.
+
+    Run alone (serial): on a machine busy with other tests no core is idle, so none is lent.
+    """
+    assert physical_cores() > 1, "lending needs a second core"
+    with GunicornServer(tmp_path, workers=physical_cores()) as server:
+        pids = server.worker_pids()
+        assert all(facts["lends_cores"] for facts in ready_facts(server).values())
+        before = {pid: cpu_ticks_by_thread(pid) for pid in pids}
+        assert chat(server, messages=LONG_PROMPT, max_tokens=1).status_code == 200
+        after = {pid: cpu_ticks_by_thread(pid) for pid in pids}
+    used = {pid: sorted((ticks - before[pid].get(tid, 0) for tid, ticks in after[pid].items()), reverse=True)
+            for pid in pids}
+    served = max(pids, key=lambda pid: sum(used[pid]))
+    assert used[served][0] > 0
+    assert used[served][1] >= 0.25 * used[served][0], used[served][:4]

@@ -5,6 +5,7 @@ The library is the one `make setup` built for this CPU (built here if missing). 
 cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the report says which.
 """
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from service.engine import kernels
 from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8
 from service.settings import Settings
+from support import cpu_ticks_by_thread
 
 MAX_RUNNING = Settings().max_running
 # (outputs, inputs): odd output counts, one block, an odd number of blocks (int8 only: int4 pairs
@@ -137,24 +139,15 @@ def test_a_product_runs_on_every_thread_it_is_given():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        before = thread_ticks()
+        before = cpu_ticks_by_thread(os.getpid())
         for _ in range(40):
             product(INT8, x, weight, scales, 4864, path="best")
-        after = thread_ticks()
+        after = cpu_ticks_by_thread(os.getpid())
     finally:
         torch.set_num_threads(threads)
     used = sorted((ticks - before.get(tid, 0) for tid, ticks in after.items()), reverse=True)
     assert used[0] > 0
     assert used[1] >= 0.25 * used[0], used[:4]
-
-
-def thread_ticks() -> dict[int, int]:
-    """Return each thread of this process's user plus system CPU time, in clock ticks."""
-    ticks = {}
-    for task in Path("/proc/self/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
-    return ticks
 
 
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds():

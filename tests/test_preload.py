@@ -12,7 +12,7 @@ import requests
 
 from service.engine import SamplingParams, TextDelta
 from service.settings import Settings, physical_cores
-from support import GunicornServer, chat, ready_facts, send_until_every_worker_served
+from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts, send_until_every_worker_served, threads_of
 
 PROMPTS = [[{"role": "user", "content": f"Question {number}: what is a lighthouse for?"}] for number in range(3)]
 REPLY_TOKENS = 12
@@ -30,23 +30,6 @@ def default_server(tiny_model_dir, tmp_path_factory):
 def maps_of(pid: int) -> str:
     """Return a process's memory map."""
     return Path(f"/proc/{pid}/maps").read_text()
-
-
-def threads_of(pid: int) -> list[int]:
-    """Return the thread ids of a process."""
-    return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-
-
-def cpu_ticks_by_thread(pid: int) -> dict[int, int]:
-    """Return each thread's user plus system CPU time, in clock ticks."""
-    ticks = {}
-    for tid in threads_of(pid):
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
-        ticks[tid] = int(fields[11]) + int(fields[12])
-    return ticks
 
 
 def greedy_reply(server, messages) -> str:
@@ -145,18 +128,3 @@ def test_without_preloading_the_master_never_loads_torch(tiny_model_dir, tmp_pat
         assert "libtorch_cpu" in maps_of(pid)
         assert chat(server, max_tokens=2).status_code == 200
 
-
-def test_a_lone_request_runs_on_every_core_with_the_defaults(default_server):
-    """With one worker per core and one thread each, a worker alone with work borrows the idle
-    worker's core: its long prompt keeps two of its threads busy (LEND_IDLE_CORES)."""
-    pids = default_server.worker_pids()
-    assert all(facts["lends_cores"] for facts in ready_facts(default_server).values()) == (physical_cores() > 1)
-    before = {pid: cpu_ticks_by_thread(pid) for pid in pids}
-    assert chat(default_server, messages=LONG_PROMPT, max_tokens=1).status_code == 200
-    after = {pid: cpu_ticks_by_thread(pid) for pid in pids}
-    used = {pid: sorted((ticks - before[pid].get(tid, 0) for tid, ticks in after[pid].items()), reverse=True)
-            for pid in pids}
-    served = max(pids, key=lambda pid: sum(used[pid]))
-    assert used[served][0] > 0
-    if physical_cores() > 1:
-        assert used[served][1] >= 0.25 * used[served][0], used[served][:4]

@@ -8,11 +8,54 @@ holds: a lone stream runs on all of them, and once every worker is busy each kee
 A worker that turns busy while another holds a lent core takes its own share at once, and the
 lender gives it back at its next layer, so cores are oversubscribed for at most one layer.
 
+A lent core must really be idle: a product split over two threads waits for the slower, and a
+thread that shares its core with another process makes every product wait for the scheduler
+(a loaded machine ran a prompt many times slower this way). So a worker also lends only while the
+machine's other processes (whatever kept its CPUs busy lately, less this process) leave a whole
+CPU free, as /proc/stat tells it over the last LOAD_WINDOW_SECONDS.
+
 Threads never change a result: the kernels compute each output whole on one thread (ops.cpp).
 """
 
 import mmap
+import os
+import time
 from collections.abc import Callable
+
+# How long the machine's load is measured over before it is read again: /proc/stat counts in
+# 10 ms ticks, so a window holds tens of ticks per CPU.
+LOAD_WINDOW_SECONDS = 0.2
+# /proc/stat's cpu line: user nice system idle iowait irq softirq steal; all but idle and iowait
+# are busy (steal too: another guest had the CPU).
+IDLE_FIELDS = (3, 4)
+
+
+def busy_cpu_seconds() -> float:
+    """Return the CPU time all processes of the machine have used, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:9]
+    ticks = sum(int(value) for index, value in enumerate(fields) if index not in IDLE_FIELDS)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class MachineLoad:
+    """How many CPUs the machine's other processes kept busy over the last window."""
+
+    def __init__(self, busy_seconds: Callable[[], float] = busy_cpu_seconds,
+                 own_seconds: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic):
+        self._busy_seconds, self._own_seconds, self._clock = busy_seconds, own_seconds, clock
+        self._since = (clock(), busy_seconds(), own_seconds())
+        self._others = 0.0
+
+    def others(self) -> float:
+        """Return the CPUs other processes used over the last window (measured again once it is over)."""
+        now = self._clock()
+        began, busy, own = self._since
+        if now - began >= LOAD_WINDOW_SECONDS:
+            busy_now, own_now = self._busy_seconds(), self._own_seconds()
+            self._others = max(0.0, ((busy_now - busy) - (own_now - own)) / (now - began))
+            self._since = (now, busy_now, own_now)
+        return self._others
 
 
 class SharedCores:
@@ -20,12 +63,13 @@ class SharedCores:
     what it holds."""
 
     def __init__(self, table: mmap.mmap | None, slot: int, cores: int, own_threads: int,
-                 set_threads: Callable[[int], None]):
+                 set_threads: Callable[[int], None], load: MachineLoad | None = None, cpus: int | None = None):
         # No table (an engine outside Gunicorn) or a slot beyond it: the worker keeps its own threads.
         self.lends = table is not None and 0 <= slot < len(table) and cores > own_threads
         self._table, self._slot = table, slot
         self._cores, self._own = cores, own_threads
         self._set_threads = set_threads
+        self._load, self._cpus = load, cpus or os.cpu_count() or 1
         self.threads = own_threads
         if self.lends:
             self._table[slot] = 0
@@ -34,8 +78,11 @@ class SharedCores:
         """Use the cores no other busy worker holds (at least this worker's own); return the threads."""
         if not self.lends:
             return self.threads
-        others = sum(self._table[:]) - self._table[self._slot]
-        threads = max(self._own, min(self._cores - others, 255))
+        spare = self._cores - (sum(self._table[:]) - self._table[self._slot])
+        if self._load is not None and spare > self._own:
+            # Round: a busy daemon's tenth of a CPU does not stop lending; half a CPU does.
+            spare = min(spare, round(self._cpus - self._load.others()))
+        threads = max(self._own, min(spare, 255))
         if threads != self.threads:
             self._set_threads(threads)
             self.threads = threads
