@@ -57,12 +57,14 @@ class Plan:
     system_prompt_tokens: int
     bandwidth_megabytes: int
     matrix_repetitions: int
+    # Shapes scenario 7 starts a server for, the most threads first (None: every shape).
+    matrix_shapes: int | None = None
 
 
 FULL = dict(preset="qwen2.5-0.5b", max_tokens=64, repetitions=7, stream_counts=(1, 2, 4, 5, 8),
             system_prompt_tokens=512, bandwidth_megabytes=1024, matrix_repetitions=3)
 QUICK = dict(preset="tiny", max_tokens=8, repetitions=2, stream_counts=(1, 2, 4, 5, 8),
-             system_prompt_tokens=512, bandwidth_megabytes=64, matrix_repetitions=1)
+             system_prompt_tokens=512, bandwidth_megabytes=64, matrix_repetitions=1, matrix_shapes=1)
 
 
 def progress(message: str) -> None:
@@ -376,7 +378,7 @@ def scenario_matrix(log_dir: Path, model_dir: Path, redis_url: str, plan: Plan, 
     """Scenario 7: workers x threads per worker, each started cold and measured briefly."""
     cores = physical_cores()
     shapes = sorted({(workers, cores // workers) for workers in range(1, cores + 1) if cores % workers == 0} | {(1, 1)},
-                    key=lambda shape: (-shape[0] * shape[1], shape))
+                    key=lambda shape: (-shape[0] * shape[1], shape))[: plan.matrix_shapes]
     rows = {}
     for workers, threads in shapes:
         label = f"{workers}x{threads}"
