@@ -76,6 +76,7 @@ class ObservedGeneration(EventSource):
         self.opened_at = time.monotonic()
         self.started = False
         self.queue_seconds = 0.0
+        self.taken_at = 0.0
         self.first_text_at: float | None = None
         self.first_written_at: float | None = None
         self._ended = False
@@ -115,7 +116,7 @@ class ObservedGeneration(EventSource):
             metrics.requests_running.inc()
         # A cache replay never queued for an engine; its zero would drag the engine's queue times down.
         if not started.cached:
-            self.queue_seconds = started.queue_seconds
+            self.queue_seconds, self.taken_at = started.queue_seconds, started.taken_at
             metrics.queue_wait_seconds.observe(started.queue_seconds)
 
     def _finish(self, finished: Finished) -> None:
@@ -146,7 +147,10 @@ class ObservedGeneration(EventSource):
     def _log_first_token(self, finished: Finished) -> None:
         """Log, at debug level, where the time until the first token went (docs/performance.md reads it)."""
         first_token = self.first_text_at - self.arrived_at
-        before_queue = self.opened_at - self.arrived_at
+        # Split at the engine's own instants (submitted, taken), so the parts add up without overlap:
+        # the request is submitted a little before this wrapper opens.
+        submitted_at = self.taken_at - self.queue_seconds if self.taken_at else self.opened_at
+        before_queue = submitted_at - self.arrived_at
         after_prompt = first_token - before_queue - self.queue_seconds - finished.prompt_seconds
         written = ms(self.first_written_at - self.first_text_at) if self.first_written_at else "-"
         log.debug(

@@ -24,6 +24,8 @@ class Started:
     queue_seconds: float
     # True when the response cache serves the reply: no engine queue was involved.
     cached: bool = False
+    # When the engine took it (time.monotonic() of the engine's process; 0 for a cached reply).
+    taken_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ class Scheduler:
             if generation.cancelled:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
-            generation.send(Started(time.monotonic() - generation.submitted_at))
+            taken_at = time.monotonic()
+            generation.send(Started(taken_at - generation.submitted_at, taken_at=taken_at))
             try:
                 prefilling.append(self._begin(generation))
             except Exception as exc:  # one request's bad parameters must not stop the others
