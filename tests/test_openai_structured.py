@@ -125,7 +125,7 @@ def test_tool_choice_required_streams_calls_as_id_and_name_then_arguments(client
     assert_calls_follow_the_schema(merged, {"get_weather", "get_time"})
     final = list(client.chat.completions.create(
         model="tiny", messages=[*ASK, *answer_calls(merged)], tools=TOOLS, max_tokens=6, seed=2, stream=True))
-    assert final[-1].choices[0].finish_reason in ("stop", "length")
+    assert final[-1].choices[0].finish_reason == "length"  # seeded: runs to max_tokens
 
 
 class Review(BaseModel):
