@@ -36,10 +36,12 @@ def import_worker_libraries() -> None:
     gc.freeze()
 
 
-# The table through which this master's workers lend idle cores (engine/cores.py), one byte per
-# slot: made in the master before its first fork, so every worker it forks shares it. Far more
-# slots than workers, as a respawned worker takes the lowest free slot.
+# The table through which this master's workers lend idle cores (engine/cores.py): per slot a byte
+# of threads held and a float64 of CPU seconds used. Made in the master before its first fork, so
+# every worker it forks shares it; far more slots than workers, as a respawned worker takes the
+# lowest free slot.
 CORE_TABLE_SLOTS = 64
+CORE_TABLE_SLOT_BYTES = 9
 _core_table: mmap.mmap | None = None
 
 
@@ -47,7 +49,7 @@ def assign_slot(server, worker) -> None:
     """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
     global _core_table
     if _core_table is None:
-        _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS)
+        _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS * CORE_TABLE_SLOT_BYTES)
     taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}
     worker.slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
@@ -65,7 +67,7 @@ def boot_worker(worker) -> None:
     connections once the engine is ready (after fork)."""
     import torch
 
-    from .engine.cores import MachineLoad, SharedCores
+    from .engine.cores import SharedCores, busy_cpu_seconds
 
     core = worker.wsgi.extensions["corechat"]
     settings = core.settings
@@ -79,7 +81,7 @@ def boot_worker(worker) -> None:
     # A pinned worker may only run on its own cores.
     lending = settings.lend_idle_cores and not settings.pin_workers
     cores = SharedCores(_core_table if lending else None, slot, physical_cores(), settings.threads_per_worker,
-                        torch.set_num_threads, MachineLoad())
+                        torch.set_num_threads, busy_seconds=busy_cpu_seconds)
     core.engine.facts.update(slot=slot, workers=settings.worker_count, lends_cores=cores.lends)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
     core.engine.start(

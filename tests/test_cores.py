@@ -26,6 +26,11 @@ class Threads:
         self.calls.append(threads)
 
 
+def new_table() -> mmap.mmap:
+    """Return a table as the master makes it (service/lifecycle.py): a byte and a float64 per slot."""
+    return mmap.mmap(-1, 64 * 9)
+
+
 def views(table: mmap.mmap, cores: int = CORES, own: int = 1) -> tuple[SharedCores, SharedCores, Threads, Threads]:
     """Return two workers' views of one table (slots 0 and 1) and their thread recorders."""
     first, second = Threads(), Threads()
@@ -33,7 +38,7 @@ def views(table: mmap.mmap, cores: int = CORES, own: int = 1) -> tuple[SharedCor
 
 
 def test_a_lone_busy_worker_takes_every_core_and_gives_them_back_when_idle():
-    table = mmap.mmap(-1, 64)
+    table = new_table()
     a, _, threads, _ = views(table)
     assert a.take() == CORES and threads.calls == [CORES]
     assert a.take() == CORES and threads.calls == [CORES], "no call while nothing changes"
@@ -43,7 +48,7 @@ def test_a_lone_busy_worker_takes_every_core_and_gives_them_back_when_idle():
 
 
 def test_a_worker_turning_busy_takes_its_share_and_the_lender_returns_the_rest_at_its_next_layer():
-    table = mmap.mmap(-1, 64)
+    table = new_table()
     a, b, _, _ = views(table)
     assert a.take() == 2
     # b sees a holding both cores: it keeps its own one, and so oversubscribes for a's current layer.
@@ -56,7 +61,7 @@ def test_a_worker_turning_busy_takes_its_share_and_the_lender_returns_the_rest_a
 
 
 def test_two_workers_turning_busy_together_settle_on_their_own_share():
-    table = mmap.mmap(-1, 64)
+    table = new_table()
     a, b, _, _ = views(table)
     # Both read the other as idle before either writes: for one layer each holds every core.
     table[0] = table[1] = 2
@@ -65,7 +70,7 @@ def test_two_workers_turning_busy_together_settle_on_their_own_share():
 
 
 def test_more_cores_are_split_among_the_busy_workers():
-    table = mmap.mmap(-1, 64)
+    table = new_table()
     a, b, _, _ = views(table, cores=8, own=2)
     assert a.take() == 8
     assert b.take() == 2
@@ -84,7 +89,7 @@ def test_no_table_a_slot_beyond_it_or_no_spare_core_means_no_lending():
 
 
 def test_a_fresh_view_clears_what_a_dead_worker_left_in_its_slot():
-    table = mmap.mmap(-1, 64)
+    table = new_table()
     table[0] = 2  # a worker killed while busy
     other = SharedCores(table, 1, CORES, 1, Threads())
     assert other.take() == 1, "the stale slot still counts"
@@ -93,7 +98,7 @@ def test_a_fresh_view_clears_what_a_dead_worker_left_in_its_slot():
 
 
 def test_forked_workers_see_each_other_through_the_masters_table():
-    table = mmap.mmap(-1, 64)  # made before fork, as the master does
+    table = new_table()  # made before fork, as the master does
     a = SharedCores(table, 0, CORES, 1, Threads())
     a.take()
     child = os.fork()
@@ -105,39 +110,54 @@ def test_forked_workers_see_each_other_through_the_masters_table():
 
 
 class Clocks:
-    """A machine's busy CPU seconds, this process's CPU seconds and the time, set by the test."""
+    """A machine's busy CPU seconds, each worker's CPU seconds and the time, set by the test."""
 
     def __init__(self) -> None:
-        self.busy = self.own = self.now = 0.0
+        self.busy = self.now = 0.0
+        self.workers = [0.0, 0.0]
 
-    def load(self) -> MachineLoad:
-        """Return a MachineLoad reading these clocks."""
-        return MachineLoad(lambda: self.busy, lambda: self.own, lambda: self.now)
+    def view(self, table: mmap.mmap, slot: int) -> SharedCores:
+        """Return worker `slot`'s view of the table, reading these clocks."""
+        return SharedCores(table, slot, CORES, 1, Threads(), busy_seconds=lambda: self.busy,
+                           process_seconds=lambda: self.workers[slot], clock=lambda: self.now, cpus=CORES)
 
-    def advance(self, seconds: float, busy_cpus: float, own_cpus: float) -> None:
-        """Let time pass with the machine busy on busy_cpus CPUs, own_cpus of them this process's."""
+    def advance(self, seconds: float, busy_cpus: float, workers_cpus: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Let time pass with the machine busy on busy_cpus CPUs, workers_cpus of them the workers'."""
         self.now += seconds
         self.busy += seconds * busy_cpus
-        self.own += seconds * own_cpus
+        for slot, cpus in enumerate(workers_cpus):
+            self.workers[slot] += seconds * cpus
 
 
 def test_a_machine_busy_with_other_processes_lends_no_core():
     clocks = Clocks()
-    lender = SharedCores(mmap.mmap(-1, 64), 0, CORES, 1, Threads(), clocks.load(), cpus=CORES)
-    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=0.1, own_cpus=0.0)
+    lender = clocks.view(new_table(), 0)
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=0.1)
     assert lender.take() == 2, "a tenth of a CPU elsewhere leaves a core idle"
-    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, own_cpus=2.0)
-    assert lender.take() == 2, "this process's own threads are not another's load"
-    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, own_cpus=1.0)
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, workers_cpus=(2.0, 0.0))
+    assert lender.take() == 2, "this worker's own threads are not another's load"
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, workers_cpus=(1.0, 0.0))
     assert lender.take() == 1, "another process kept a CPU busy: the second thread would wait for it"
-    clocks.advance(LOAD_WINDOW_SECONDS / 2, busy_cpus=1.0, own_cpus=1.0)
+    clocks.advance(LOAD_WINDOW_SECONDS / 2, busy_cpus=1.0, workers_cpus=(1.0, 0.0))
     assert lender.take() == 1, "the load is measured again only once a window is over"
-    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=1.0, own_cpus=1.0)
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=1.0, workers_cpus=(1.0, 0.0))
     assert lender.take() == 2
 
 
+def test_a_sibling_that_just_went_idle_is_not_counted_as_load():
+    """The table says at once that a sibling is idle; its CPU over the last window is not another
+    process's load, so the first layer after it went idle already lends."""
+    clocks, shared = Clocks(), new_table()
+    a, b = clocks.view(shared, 0), clocks.view(shared, 1)
+    a.release()
+    assert b.take() == 2
+    clocks.advance(5 * LOAD_WINDOW_SECONDS, busy_cpus=2.0, workers_cpus=(0.0, 2.0))
+    b.release()
+    assert a.take() == 2
+
+
 def test_the_machine_load_reads_this_machine():
-    load = MachineLoad()
+    load = MachineLoad(busy_cpu_seconds, time.process_time)
     before = busy_cpu_seconds()
     deadline = time.monotonic() + LOAD_WINDOW_SECONDS
     while time.monotonic() < deadline:

@@ -10,21 +10,26 @@ lender gives it back at its next layer, so cores are oversubscribed for at most 
 
 A lent core must really be idle: a product split over two threads waits for the slower, and a
 thread that shares its core with another process makes every product wait for the scheduler
-(a loaded machine ran a prompt many times slower this way). So a worker also lends only while the
-machine's other processes (whatever kept its CPUs busy lately, less this process) leave a whole
-CPU free, as /proc/stat tells it over the last LOAD_WINDOW_SECONDS.
+(a loaded machine ran a prompt many times slower this way). So a worker also lends only while
+processes other than the master's workers leave a whole CPU free: what kept the machine's CPUs
+busy over the last LOAD_WINDOW_SECONDS (/proc/stat) less the CPU time the workers publish in the
+table. The workers' own time is left out because the table already says which of them are busy,
+at once, where a window would still count a sibling that has just gone idle.
 
 Threads never change a result: the kernels compute each output whole on one thread (ops.cpp).
 """
 
 import mmap
 import os
+import struct
 import time
 from collections.abc import Callable
 
 # How long the machine's load is measured over before it is read again: /proc/stat counts in
 # 10 ms ticks, so a window holds tens of ticks per CPU.
 LOAD_WINDOW_SECONDS = 0.2
+# A table slot: a byte of threads held, then (after every slot's byte) a float64 of CPU seconds.
+SLOT_BYTES = 9
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal; all but idle and iowait
 # are busy (steal too: another guest had the CPU).
 IDLE_FIELDS = (3, 4)
@@ -39,10 +44,10 @@ def busy_cpu_seconds() -> float:
 
 
 class MachineLoad:
-    """How many CPUs the machine's other processes kept busy over the last window."""
+    """How many CPUs processes other than ours kept busy over the last window."""
 
-    def __init__(self, busy_seconds: Callable[[], float] = busy_cpu_seconds,
-                 own_seconds: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, busy_seconds: Callable[[], float], own_seconds: Callable[[], float],
+                 clock: Callable[[], float] = time.monotonic):
         self._busy_seconds, self._own_seconds, self._clock = busy_seconds, own_seconds, clock
         self._since = (clock(), busy_seconds(), own_seconds())
         self._others = 0.0
@@ -59,26 +64,35 @@ class MachineLoad:
 
 
 class SharedCores:
-    """A worker's view of the table (one byte per worker slot): which cores it may use now, and
-    what it holds."""
+    """A worker's view of the table: which cores it may use now, what it holds, the CPU it used."""
 
     def __init__(self, table: mmap.mmap | None, slot: int, cores: int, own_threads: int,
-                 set_threads: Callable[[int], None], load: MachineLoad | None = None, cpus: int | None = None):
+                 set_threads: Callable[[int], None], *, busy_seconds: Callable[[], float] | None = None,
+                 process_seconds: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
+                 cpus: int | None = None):
+        self._slots = len(table) // SLOT_BYTES if table is not None else 0
         # No table (an engine outside Gunicorn) or a slot beyond it: the worker keeps its own threads.
-        self.lends = table is not None and 0 <= slot < len(table) and cores > own_threads
+        self.lends = 0 <= slot < self._slots and cores > own_threads
         self._table, self._slot = table, slot
         self._cores, self._own = cores, own_threads
         self._set_threads = set_threads
-        self._load, self._cpus = load, cpus or os.cpu_count() or 1
+        self._process_seconds = process_seconds
+        self._cpus = cpus or os.cpu_count() or 1
         self.threads = own_threads
-        if self.lends:
-            self._table[slot] = 0
+        if not self.lends:
+            return
+        self._table[slot] = 0
+        self._publish()
+        self._seen = self._published()
+        self._workers_seconds = 0.0
+        self._load = MachineLoad(busy_seconds, self._workers_cpu_seconds, clock) if busy_seconds else None
 
     def take(self) -> int:
         """Use the cores no other busy worker holds (at least this worker's own); return the threads."""
         if not self.lends:
             return self.threads
-        spare = self._cores - (sum(self._table[:]) - self._table[self._slot])
+        self._publish()
+        spare = self._cores - (sum(self._table[: self._slots]) - self._table[self._slot])
         if self._load is not None and spare > self._own:
             # Round: a busy daemon's tenth of a CPU does not stop lending; half a CPU does.
             spare = min(spare, round(self._cpus - self._load.others()))
@@ -93,10 +107,27 @@ class SharedCores:
         """Hold no core (the engine has nothing to do) and fall back to this worker's own threads."""
         if not self.lends:
             return
+        self._publish()
         self._table[self._slot] = 0
         if self.threads != self._own:
             self._set_threads(self._own)
             self.threads = self._own
+
+    def _publish(self) -> None:
+        """Write this process's CPU seconds into its slot."""
+        struct.pack_into("d", self._table, self._slots + 8 * self._slot, self._process_seconds())
+
+    def _published(self) -> tuple[float, ...]:
+        """Return every slot's published CPU seconds."""
+        return struct.unpack_from(f"{self._slots}d", self._table, self._slots)
+
+    def _workers_cpu_seconds(self) -> float:
+        """Return the CPU seconds the master's workers used, summed as it grows: a slot whose worker
+        was replaced starts again from its new worker's count."""
+        published = self._published()
+        self._workers_seconds += sum(max(0.0, now - before) for now, before in zip(published, self._seen, strict=True))
+        self._seen = published
+        return self._workers_seconds
 
 
 def no_sharing(own_threads: int) -> SharedCores:
