@@ -38,6 +38,7 @@ def call_between_layers(model, between_layers: Callable[[], object] | None) -> N
     layers = getattr(getattr(model, "model", None), "layers", None)
     if between_layers is None or layers is None:
         return
+
     def before_layer(module, args) -> None:
         """Run between_layers; a pre-hook's return value would replace the layer's inputs."""
         between_layers()
