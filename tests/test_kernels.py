@@ -5,6 +5,7 @@ The library is the one `make setup` built for this CPU (built here if missing). 
 cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the report says which.
 """
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -110,19 +111,26 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt):
             assert torch.equal(product(fmt, x[:rows], weight, scales, 257, path=path), alone[:rows]), (path, rows)
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Run the block with torch's intra-op thread count set, restoring it after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_thread_count_does_not_change_the_output():
     """Each output is summed whole by one thread: 1 and 2 threads give the same bits."""
     generator = torch.Generator().manual_seed(4)
     weight, scales = quantized(INT8, 4864, 896, generator)
     x = torch.randn(8, 896, generator=generator).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = product(INT8, x, weight, scales, 4864, path="best")
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = product(INT8, x, weight, scales, 4864, path="best")
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
@@ -136,15 +144,11 @@ def test_a_product_runs_on_every_thread_it_is_given():
     generator = torch.Generator().manual_seed(5)
     weight, scales = quantized(INT8, 4864, 896, generator)
     x = torch.randn(64, 896, generator=generator).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         before = cpu_ticks_by_thread(os.getpid())
         for _ in range(40):
             product(INT8, x, weight, scales, 4864, path="best")
         after = cpu_ticks_by_thread(os.getpid())
-    finally:
-        torch.set_num_threads(threads)
     used = sorted((ticks - before.get(tid, 0) for tid, ticks in after.items()), reverse=True)
     assert used[0] > 0
     assert used[1] >= 0.25 * used[0], used[:4]
