@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -127,6 +128,12 @@ class GunicornServer:
 
     def start(self, timeout: float = 120) -> "GunicornServer":
         """Start Gunicorn and wait until every worker reports ready."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> "GunicornServer":
+        """Start Gunicorn without waiting for its workers."""
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             # No control socket: every test master would otherwise share ~/.gunicorn/gunicorn.ctl.
@@ -136,7 +143,6 @@ class GunicornServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self.wait_ready(timeout)
         return self
 
     def __enter__(self) -> "GunicornServer":
@@ -270,14 +276,23 @@ def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | No
             reply["broken"] = True  # the serving worker died
 
 
-def ready_facts(server) -> dict[int, dict]:
-    """Return /readyz of every worker, keyed by pid."""
+def ready_facts(server, rounds: int = 40) -> dict[int, dict]:
+    """Return /readyz of every worker, keyed by pid (fewer if some never answered in `rounds` rounds).
+
+    Each round asks on several connections at once: asked one at a time, the kernel may hand every
+    connection to the same worker (the one already awake wins each accept race)."""
+
+    def ask(_) -> dict:
+        return requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=5).json()
+
     facts = {}
-    for _ in range(60):
-        body = requests.get(f"{server.url}/readyz", headers={"Connection": "close"}, timeout=5).json()
-        facts[body["worker_pid"]] = body
-        if len(facts) == server.workers:
-            break
+    with ThreadPoolExecutor(2 * server.workers) as pool:
+        for _ in range(rounds):
+            for body in pool.map(ask, range(2 * server.workers)):
+                facts[body["worker_pid"]] = body
+            if len(facts) >= server.workers:
+                break
+            time.sleep(0.05)
     return facts
 
 

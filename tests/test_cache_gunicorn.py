@@ -263,7 +263,7 @@ def test_leader_closed_mid_stream_under_load_is_continued_as_one_generation(
 ):
     redis = redis_client.Redis(port=shared_redis.port)
     since = redis_now_ms(redis)
-    background = start_background_load(one_worker, 10, "A") + start_background_load(two_workers, 10, "B")
+    background = start_background_load(one_worker, 6, "A") + start_background_load(two_workers, 6, "B")
     leader = StreamingClient(one_worker.url, SEEDED)
     leader.wait_for_chunks(10)
     followers = [StreamingClient(two_workers.url, SEEDED) for _ in range(4)]

@@ -1,5 +1,7 @@
 """End to end: real Gunicorn with 2 workers on the tiny model, over real HTTP."""
 
+import contextlib
+import signal
 import threading
 import time
 from pathlib import Path
@@ -7,7 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import COUNTING, anonymous_megabytes, chat, ready_facts, send_until_every_worker_served, stream_lines
+from support import COUNTING, anonymous_megabytes, chat, ready_facts, send_until_every_worker_served, stream_lines, wait_until
 
 
 
@@ -47,7 +49,7 @@ def test_health_answers_fast_during_a_long_stream(gunicorn_server):
     def long_stream():
         with requests.post(
             f"{gunicorn_server.url}/v1/chat/completions",
-            json={"messages": COUNTING, "max_tokens": 3000, "temperature": 0, "stream": True},
+            json={"messages": COUNTING, "max_tokens": 800, "temperature": 0, "stream": True},
             stream=True,
             timeout=120,
         ) as response:
@@ -75,7 +77,7 @@ def test_stream_longer_than_gunicorn_timeout_completes(gunicorn_server):
     began = time.monotonic()
     with requests.post(
         f"{gunicorn_server.url}/v1/chat/completions",
-        json={"messages": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": True},
+        json={"messages": COUNTING, "max_tokens": 2000, "temperature": 0, "stream": True},
         stream=True,
         timeout=120,
     ) as response:
@@ -128,6 +130,20 @@ def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
         assert info and {labels["workers"] for labels in info} == {str(server.workers)}
 
 
+@contextlib.contextmanager
+def master_only(server):
+    """Run a master until it has made its metrics folder and forked its worker, then stop it at once
+    (SIGINT). The folder is the master's business: the worker need not load the model first, nor
+    the master import the workers' libraries."""
+    server.env["PRELOAD_LIBRARIES"] = "false"
+    server.launch()
+    try:
+        assert wait_until(lambda: "Booting worker" in server.log(), 60), server.log()
+        yield server
+    finally:
+        assert server.stop(signal.SIGINT) == 0, server.log()
+
+
 @pytest.mark.parametrize("unset", [True, False], ids=["unset", "empty"])
 def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset):
     """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it.
@@ -140,7 +156,7 @@ def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset)
         monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     else:
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
-    with GunicornServer(tmp_path, workers=1, warmup=False) as server:
+    with master_only(GunicornServer(tmp_path, workers=1)) as server:
         default = Path(tempfile.gettempdir()) / f"corechat-metrics-{server.process.pid}"
         assert default.is_dir()
     assert not default.exists()
@@ -151,10 +167,9 @@ def test_master_keeps_a_chosen_metrics_folder(tmp_path):
     from support import GunicornServer
 
     chosen = tmp_path / "metrics"
-    with GunicornServer(tmp_path, workers=1, warmup=False, prometheus_multiproc_dir=chosen):
+    with master_only(GunicornServer(tmp_path, workers=1, prometheus_multiproc_dir=chosen)):
         assert chosen.is_dir()
     assert chosen.is_dir()
-
 
 
 def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
