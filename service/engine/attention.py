@@ -40,21 +40,27 @@ def kernel_applies(query, key, row_starts, kwargs) -> bool:
     return batch == 1 or (queries == 1 and row_starts is not None)
 
 
-def attention_by_rows(query, key, value, scaling: float, row_starts=None) -> torch.Tensor:
-    """Run the kernel: (batch, heads, queries, dim) against (batch, kv_heads, keys, dim); (batch, queries, heads, dim) out."""
-    batch, heads, queries, dim = query.shape
-    width = key.shape[2]
+def row_spans(batch: int, queries: int, width: int, row_starts=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return the kernel's cache row, first and end column of each query row, rows numbered batch
+    row by query: a decode step's rows over their own spans (from row_starts), or a prompt's
+    tokens each over the keys up to its own position."""
     if queries == 1:
-        rows = query[:, :, 0]
         cache_rows = torch.arange(batch)
         starts = row_starts if row_starts is not None else torch.zeros(batch, dtype=torch.long)
         ends = torch.full((batch,), width)
     else:
-        rows = query[0].transpose(0, 1)
         cache_rows = torch.zeros(queries, dtype=torch.long)
         starts = torch.zeros(queries, dtype=torch.long)
         ends = torch.arange(width - queries + 1, width + 1)
-    output = torch.ops.corechat.attention(rows, key.contiguous(), value.contiguous(), cache_rows, starts, ends, scaling)
+    return cache_rows, starts, ends
+
+
+def attention_by_rows(query, key, value, scaling: float, row_starts=None) -> torch.Tensor:
+    """Run the kernel: (batch, heads, queries, dim) against (batch, kv_heads, keys, dim); (batch, queries, heads, dim) out."""
+    batch, heads, queries, dim = query.shape
+    rows = query[:, :, 0] if queries == 1 else query[0].transpose(0, 1)
+    spans = row_spans(batch, queries, key.shape[2], row_starts)
+    output = torch.ops.corechat.attention(rows, key.contiguous(), value.contiguous(), *spans, scaling)
     return output.view(batch, queries, heads, dim)
 
 

@@ -30,6 +30,8 @@ LIBRARY_NAME = "libcorechat_kernels.so"
 COMPILER = "g++"
 COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall")
 BASELINE_SOURCES = ("reference.cpp",)
+# The torch operators (ATen and torch's headers), built for the baseline instruction set.
+OPERATOR_SOURCES = ("ops.cpp", "layer.cpp")
 # at::parallel_for is a header template: built without OpenMP it runs every range on one thread.
 # The library links the libgomp torch ships (found through torch's lib folder), never a second one.
 OPS_FLAGS = ("-fopenmp",)
@@ -107,7 +109,7 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list
     defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    units.append(("ops.cpp", (*OPS_FLAGS, abi, *defines, *includes)))
+    units += [(source, (*OPS_FLAGS, abi, *defines, *includes)) for source in OPERATOR_SOURCES]
     compiles, objects = [], []
     for source, flags in units:
         target = build_dir / (Path(source).stem + ".o")

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops.h"
 
 namespace corechat {
 
@@ -72,6 +73,8 @@ std::vector<std::string> paths() {
     return names;
 }
 
+}  // namespace
+
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path) {
@@ -124,6 +127,8 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     });
     return output;
 }
+
+namespace {
 
 at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& cache_rows, const at::Tensor& starts, const at::Tensor& ends, double scale) {

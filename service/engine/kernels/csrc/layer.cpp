@@ -1,0 +1,190 @@
+// A quantized Qwen2 decoder layer's work around its products, in three operators, so that a layer
+// costs the interpreter three calls instead of dozens: torch.ops.corechat.rms_norm,
+// .attention_inputs (norm, q/k/v products, rotary) and .mlp (output product, residual, norm,
+// gate/up products, SiLU, down product, residual).
+//
+// Each element is computed as transformers computes it, in float32 and rounded to bfloat16 after
+// every operation it rounds after (the rotary's products and sum, the residual sums, the norm's
+// two products, SiLU and its product), with one exception: RMSNorm's mean of squares is summed in
+// corechat's own fixed order (8 lanes, elements in order, the lanes as sum_lanes adds them)
+// instead of torch's. Every row is computed whole by one thread from its own values, so a token's
+// result depends neither on the other rows of its batch nor on the thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+#include "ops.h"
+
+namespace corechat {
+
+namespace {
+
+// Rows per task of the elementwise loops: a decode step's few rows run on the calling thread.
+constexpr int64_t kRowGrain = 16;
+constexpr int64_t kMaxHeadDim = 512;
+
+inline float rounded(float value) { return bfloat16_to_float(float_to_bfloat16(value)); }
+
+inline const uint16_t* bits(const at::Tensor& tensor) {
+    return reinterpret_cast<const uint16_t*>(tensor.const_data_ptr());
+}
+
+inline uint16_t* mutable_bits(at::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr()); }
+
+void check_matrix(const at::Tensor& tensor, const char* name) {
+    TORCH_CHECK(tensor.dim() == 2 && tensor.is_contiguous() && tensor.scalar_type() == at::kBFloat16, name,
+                " must be a contiguous bfloat16 matrix");
+}
+
+void check_vector(const at::Tensor& tensor, int64_t size, const char* name) {
+    TORCH_CHECK(tensor.dim() == 1 && tensor.is_contiguous() && tensor.scalar_type() == at::kBFloat16 &&
+                tensor.size(0) == size, name, " must be a contiguous bfloat16 vector of ", size);
+}
+
+// Qwen2RMSNorm of one row: weight * bf16(x * (1 / sqrt(mean(x^2) + eps))).
+void norm_row(const uint16_t* x, const uint16_t* weight, int64_t width, float eps, uint16_t* out) {
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < width; ++i) {
+        const float value = bfloat16_to_float(x[i]);
+        lanes[i % 8] = lanes[i % 8] + value * value;
+    }
+    const float inverse = 1.0f / std::sqrt(sum_lanes(lanes) / static_cast<float>(width) + eps);
+    for (int64_t i = 0; i < width; ++i)
+        out[i] = float_to_bfloat16(bfloat16_to_float(weight[i]) * rounded(bfloat16_to_float(x[i]) * inverse));
+}
+
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+    check_matrix(input, "input");
+    const int64_t rows = input.size(0), width = input.size(1);
+    check_vector(weight, width, "weight");
+    at::Tensor output = at::empty_like(input);
+    const uint16_t *x = bits(input), *w = bits(weight);
+    uint16_t* out = mutable_bits(output);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row)
+            norm_row(x + row * width, w, width, static_cast<float>(eps), out + row * width);
+    });
+    return output;
+}
+
+// transformers' apply_rotary_pos_emb on every head of every row, in place:
+// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]).
+void rotate(at::Tensor& states, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t rows = states.size(0), width = states.size(1), half = head_dim / 2;
+    uint16_t* data = mutable_bits(states);
+    const uint16_t *c = bits(cos), *s = bits(sin);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+        float head[kMaxHeadDim];
+        for (int64_t row = begin; row < end; ++row) {
+            for (int64_t start = 0; start < width; start += head_dim) {
+                uint16_t* x = data + row * width + start;
+                const uint16_t *row_cos = c + row * head_dim, *row_sin = s + row * head_dim;
+                for (int64_t i = 0; i < head_dim; ++i) head[i] = bfloat16_to_float(x[i]);
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    const float partner = i < half ? -head[i + half] : head[i - half];
+                    x[i] = float_to_bfloat16(rounded(head[i] * bfloat16_to_float(row_cos[i])) +
+                                             rounded(partner * bfloat16_to_float(row_sin[i])));
+                }
+            }
+        }
+    });
+}
+
+// sum = bf16(sum + addend), elementwise, in place.
+void add_into(at::Tensor& sum, const at::Tensor& addend) {
+    const int64_t count = sum.numel();
+    uint16_t* out = mutable_bits(sum);
+    const uint16_t* other = bits(addend);
+    for (int64_t i = 0; i < count; ++i)
+        out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
+}
+
+// The products of a block: weights, scales, biases and output counts side by side.
+struct Products {
+    const std::vector<at::Tensor>& weights;
+    const std::vector<at::Tensor>& scales;
+    const c10::List<std::optional<at::Tensor>>& biases;
+    const std::vector<int64_t>& outputs;
+    int64_t format;
+
+    Products(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+             const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
+             int64_t format, size_t count, const char* block)
+        : weights(weights), scales(scales), biases(biases), outputs(outputs), format(format) {
+        TORCH_CHECK(weights.size() == count && scales.size() == count && biases.size() == count &&
+                    outputs.size() == count, block, " takes ", count, " products");
+    }
+
+    at::Tensor apply(size_t index, const at::Tensor& input) const {
+        return quantized_linear(input, weights[index], scales[index], biases.get(index), format, outputs[index],
+                                false, 0);
+    }
+};
+
+// Norm, then the query, key and value products, then the rotary on the queries and keys:
+// [rows, heads * head_dim], [rows, kv_heads * head_dim] twice. cos and sin are [rows, head_dim].
+std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                                         const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                                         const c10::List<std::optional<at::Tensor>>& biases,
+                                         const std::vector<int64_t>& outputs, int64_t format, const at::Tensor& cos,
+                                         const at::Tensor& sin, int64_t head_dim) {
+    const Products products(weights, scales, biases, outputs, format, 3, "attention_inputs");
+    check_matrix(cos, "cos");
+    check_matrix(sin, "sin");
+    TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ",
+                kMaxHeadDim);
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == hidden.size(0) && cos.size(1) == head_dim,
+                "cos and sin must be [rows, head_dim]");
+    const at::Tensor states = rms_norm(hidden, norm_weight, eps);
+    std::vector<at::Tensor> results;
+    for (size_t index = 0; index < 3; ++index) {
+        results.push_back(products.apply(index, states));
+        TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
+    }
+    rotate(results[0], head_dim, cos, sin);
+    rotate(results[1], head_dim, cos, sin);
+    return results;
+}
+
+// The rest of the layer once attention has run: hidden + o(attended), then that plus
+// down(silu(gate(s)) * up(s)) with s its norm. Products are [o, gate, up, down].
+at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& norm_weight, double eps,
+               const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+               const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
+               int64_t format) {
+    const Products products(weights, scales, biases, outputs, format, 4, "mlp");
+    check_matrix(hidden, "hidden");
+    check_matrix(attended, "attended");
+    at::Tensor sum = products.apply(0, attended);
+    TORCH_CHECK(sum.sizes() == hidden.sizes(), "the output product must give hidden's shape");
+    // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
+    add_into(sum, hidden);
+    const at::Tensor states = rms_norm(sum, norm_weight, eps);
+    // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
+    at::Tensor activation = at::silu(products.apply(1, states));
+    activation.mul_(products.apply(2, states));
+    at::Tensor down = products.apply(3, activation);
+    add_into(sum, down);
+    return sum;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(corechat, m) {
+    m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor", rms_norm);
+    m.def("attention_inputs(Tensor hidden, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
+          "Tensor?[] biases, int[] outputs, int format, Tensor cos, Tensor sin, int head_dim) -> Tensor[]",
+          attention_inputs);
+    m.def("mlp(Tensor hidden, Tensor attended, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
+          "Tensor?[] biases, int[] outputs, int format) -> Tensor", mlp);
+}
+
+}  // namespace corechat

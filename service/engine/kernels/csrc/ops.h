@@ -1,0 +1,17 @@
+// What the operator files share: the quantized product as a C++ function (layer.cpp calls it).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace corechat {
+
+// torch.ops.corechat.quantized_linear: input [rows, inputs] (bfloat16 or float32) times a stored
+// weight (kernels.h), plus the float32 bias, as bfloat16 or float32 [rows, outputs]; path 0 is
+// the best this CPU runs.
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
+                            bool float32_output, int64_t path);
+
+}  // namespace corechat
