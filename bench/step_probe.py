@@ -4,10 +4,12 @@
 model as a worker does, fills a batch of `rows` sequences (a ~40-token chat prompt each, the
 engine's DecodeBatch, so left padding and row_starts as served) and times decode steps: the
 median wall time of a step, then one profiled run that splits its operators' time into the
-quantized products (corechat::quantized_linear, or aten::linear in bf16), attention
-(corechat::attention or SDPA)
-and the other torch operators (norms, rotary, activations, cache appends, embedding); what the
-step takes beyond its operators is Python (transformers' forward, module calls). Sampling is
+top-level quantized products (corechat::quantized_linear: a quantized model's output layer, every
+product of a bf16 one as aten::linear), the fused layer operators a quantized model's decoder
+layers run as (corechat::attention_inputs, ::mlp, ::rms_norm, their products inside), attention
+(corechat::attention or SDPA) and the other torch operators (cache appends, embedding, rotary
+tables; in bf16 also norms, rotary, activations); what the step takes beyond its operators is
+Python (the forward's own code, transformers' cache). Sampling is
 timed apart: greedy and top-p over the step's logits, all rows in the engine's one call (the
 median of several). Times are the thread's CPU time
 (the profiler's shares are of wall time), so other processes on the machine move them less. It
@@ -35,6 +37,8 @@ from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # no
 # Top-level operators only: their totals include what they call.
 PRODUCTS = ("corechat::quantized_linear", "aten::linear")
 ATTENTION = ("corechat::attention", "aten::scaled_dot_product_attention")
+# A quantized model's decoder layers run as these (their products inside, unseen by the profiler).
+FUSED = ("corechat::attention_inputs", "corechat::mlp", "corechat::rms_norm")
 SAMPLING_REPEATS = 9
 
 
@@ -80,6 +84,7 @@ def measure(model, prompt_ids: list[int], rows: int, steps: int) -> dict:
     step = statistics.median(step_times)
     products = operator_seconds(events, PRODUCTS) / steps * scale
     attention = operator_seconds(events, ATTENTION) / steps * scale
+    fused = operator_seconds(events, FUSED) / steps * scale
     every_operator *= scale
     samplers = {"greedy": SamplingParams(max_tokens=1, temperature=0.0),
                 "top-p 0.9": SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=1)}
@@ -93,7 +98,7 @@ def measure(model, prompt_ids: list[int], rows: int, steps: int) -> dict:
             times.append(time.thread_time() - began)
         sampling[name] = statistics.median(times)
     return {"rows": rows, "step_seconds": step, "products_seconds": products, "attention_seconds": attention,
-            "other_operators_seconds": every_operator - products - attention,
+            "fused_layer_seconds": fused, "other_operators_seconds": every_operator - products - attention - fused,
             "python_seconds": step - every_operator, "sampling_seconds": sampling}
 
 
@@ -109,8 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "runs": []}
-    lines = ["| DTYPE | forward | rows | step | products | attention | other operators | Python | "
-             "sampling (greedy / top-p), all rows |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| DTYPE | forward | rows | step | products | fused layer operators (products inside) | attention | "
+             "other operators | Python | sampling (greedy / top-p), all rows |", "|---|---|---|---|---|---|---|---|---|---|"]
     for dtype in args.dtypes:
         model, prompt_ids = load(dtype)
         lean = model.__dict__.get("forward")
@@ -127,7 +132,8 @@ def main() -> None:
                 results["runs"].append(run)
                 step = run["step_seconds"]
                 parts = [f"{run[key] * 1e3:.1f} ms ({run[key] / step:.0%})"
-                         for key in ("products_seconds", "attention_seconds", "other_operators_seconds", "python_seconds")]
+                         for key in ("products_seconds", "fused_layer_seconds", "attention_seconds", "other_operators_seconds",
+                                     "python_seconds")]
                 sampling = run["sampling_seconds"]
                 lines.append(f"| {dtype} | {forward} | {rows} | {step * 1e3:.1f} ms | " + " | ".join(parts)
                              + f" | {sampling['greedy'] * 1e3:.2f} / {sampling['top-p 0.9'] * 1e3:.2f} ms |")
