@@ -1,8 +1,8 @@
 """Gunicorn settings for corechat, every one from the environment (see service/settings.py).
 
-The master imports the libraries the workers use (PRELOAD_LIBRARIES, on by default) but never
-creates the app, loads a model or runs torch: each worker creates the app after fork and loads its
-own engine in post_worker_init.
+The master imports the libraries the workers use and loads the model's tokenizer
+(PRELOAD_LIBRARIES, on by default) but never creates the app, loads a model or runs torch: each
+worker creates the app after fork and loads its own engine in post_worker_init.
 """
 
 import os
@@ -39,7 +39,7 @@ settings = get_settings()
 if settings.preload_libraries:
     from service.lifecycle import import_worker_libraries
 
-    import_worker_libraries()
+    import_worker_libraries(settings.model)
 
 wsgi_app = "wsgi:app"
 bind = settings.bind

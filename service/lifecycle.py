@@ -21,18 +21,22 @@ MODEL_LOAD_ATTEMPTS = 3
 WORKER_BOOT_ERROR = 3
 
 
-def import_worker_libraries() -> None:
-    """Import torch, transformers and the app's modules in the master, for the workers to share.
+def import_worker_libraries(model: str) -> None:
+    """Import torch, transformers and the app's modules in the master, and load the model's
+    tokenizer, for the workers to share.
 
-    Only imports run here: no model, no tensor, no thread pool (gunicorn.conf.py keeps OpenBLAS from
-    starting one), so the master stays single-threaded and forks hold no lock another thread took;
-    each worker sets its own threads and loads its own model after fork. gc.freeze() keeps the
-    workers' garbage collections from writing to, and so copying, the pages these objects live on.
+    No model, no tensor, no thread pool (gunicorn.conf.py keeps OpenBLAS from starting one; loading
+    a tokenizer starts none, encoding would), so the master stays single-threaded and forks hold no
+    lock another thread took; each worker sets its own threads and loads its own model after fork.
+    gc.freeze() keeps the workers' garbage collections from writing to, and so copying, the pages
+    these objects live on.
     """
     import gc
 
     from . import api, auth, cache, chat, engine, errors, limits, metrics, observed, openapi, ui  # noqa: F401
+    from .engine.loading import preload_tokenizer
 
+    preload_tokenizer(model)
     gc.freeze()
 
 

@@ -129,9 +129,9 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level of the service and Gunicorn.")
     preload_libraries: bool = Field(
-        True, description="Import torch, transformers and the app's modules in the Gunicorn master before it "
-        "forks the workers (only imports: no model, no tensor, no thread pool), so the workers share that "
-        "interpreter state instead of each holding a private copy (see docs/performance.md)."
+        True, description="Import torch, transformers and the app's modules, and load the tokenizer of a MODEL "
+        "folder, in the Gunicorn master before it forks the workers (no model, no tensor, no thread pool), so "
+        "the workers share that state instead of each building a private copy (see docs/performance.md)."
     )
 
     # Cache

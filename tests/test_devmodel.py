@@ -1,8 +1,6 @@
 """Tests for the random-weight dev model builder: tokenizer fidelity, template, configs, loading, caching."""
 
 import json
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
@@ -13,7 +11,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from service import devmodel
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 QWEN25_0_5B_PARAMETERS = 494_032_768
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
@@ -262,13 +259,9 @@ def test_unknown_preset_is_refused(tmp_path):
     assert not (tmp_path / "nope").exists()
 
 
-def test_command_line_prints_the_folder(fresh_tiny_dir):
-    completed = subprocess.run(
-        [sys.executable, "-m", "service.devmodel", str(fresh_tiny_dir), "--preset", "tiny"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert completed.stdout.strip() == str(fresh_tiny_dir)
-    assert "RANDOM WEIGHTS" in completed.stderr
+def test_command_line_prints_the_folder(fresh_tiny_dir, capsys, caplog):
+    """`python -m service.devmodel DIR` runs main(); in-process here (a subprocess would spend its
+    seconds importing torch)."""
+    devmodel.main([str(fresh_tiny_dir), "--preset", "tiny"])
+    assert capsys.readouterr().out.strip() == str(fresh_tiny_dir)
+    assert "RANDOM WEIGHTS" in caplog.text

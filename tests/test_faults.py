@@ -159,11 +159,11 @@ def test_hanging_up_on_a_queued_non_streamed_request_frees_the_queue_place(singl
     blocker.hang_up()
 
 
-@pytest.fixture()
-def two_worker_server(tiny_model_dir, tmp_path):
-    """Run two workers whose generations end after a few seconds."""
+@pytest.fixture(scope="module")
+def two_worker_server(tiny_model_dir, tmp_path_factory):
+    """Run two workers whose generations end after a few seconds. The module's last test stops it."""
     with GunicornServer(
-        tmp_path, workers=2, max_tokens_limit=100_000,
+        tmp_path_factory.mktemp("two-workers"), workers=2, max_tokens_limit=100_000,
         max_generation_seconds=5, sse_ping_seconds=0.2, graceful_timeout=30,
     ) as server:
         yield server
@@ -198,6 +198,7 @@ def test_worker_killed_mid_stream_ends_only_its_streams_and_is_replaced(two_work
 
 
 def test_sigterm_lets_in_flight_streams_finish(two_worker_server):
+    """Runs last on two_worker_server (after a worker of it was killed and replaced): it stops it."""
     stream = RawStream(two_worker_server, {**ENDLESS, "stream": True})
     stream.read_until(TOKEN)
     began = time.monotonic()

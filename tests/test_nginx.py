@@ -11,7 +11,7 @@ import requests
 from deploy_support import NginxServer
 from support import COUNTING, GunicornServer
 
-LONG_REPLY = {"messages": COUNTING, "max_tokens": 4000, "temperature": 0}
+LONG_REPLY = {"messages": COUNTING, "max_tokens": 1500, "temperature": 0}
 # nginx's read timeout for the stream route in these tests, and the ping interval well inside it.
 READ_TIMEOUT_SECONDS = 2
 PING_SECONDS = 0.5

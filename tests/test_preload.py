@@ -1,5 +1,5 @@
-"""The master imports torch and transformers before fork (PRELOAD_LIBRARIES): workers forked from it
-work as unforked processes do, and share what the master imported."""
+"""The master imports torch and transformers and loads the tokenizer before fork (PRELOAD_LIBRARIES):
+workers forked from it work as unforked processes do, and share what the master imported."""
 
 import os
 import signal
@@ -51,13 +51,17 @@ def unforked_reply(engine, messages) -> str:
     return "".join(event.text for event in generation.events() if isinstance(event, TextDelta))
 
 
-def test_master_imports_torch_but_holds_no_model_and_no_other_thread(default_server, tiny_model_dir):
-    """A single-threaded master cannot fork while another thread holds a lock; no model is loaded there."""
+def test_master_imports_torch_and_loads_the_tokenizer_but_holds_no_model_and_no_other_thread(default_server,
+                                                                                             tiny_model_dir):
+    """A single-threaded master cannot fork while another thread holds a lock; no model is loaded
+    there, and every worker uses the tokenizer it inherited instead of building its own."""
     master = default_server.process.pid
     assert "libtorch_cpu" in maps_of(master)
     assert len(threads_of(master)) == 1
     assert str(tiny_model_dir) not in maps_of(master)
     assert all(str(tiny_model_dir) in maps_of(pid) for pid in default_server.worker_pids())
+    facts = ready_facts(default_server)
+    assert len(facts) == default_server.workers and all(worker["tokenizer_inherited"] for worker in facts.values())
 
 
 def test_workers_under_load_above_capacity_reply_as_an_unforked_engine(default_server, engine):
@@ -126,5 +130,6 @@ def test_without_preloading_the_master_never_loads_torch(tiny_model_dir, tmp_pat
         assert "libtorch" not in maps_of(server.process.pid)
         (pid,) = server.worker_pids()
         assert "libtorch_cpu" in maps_of(pid)
+        assert ready_facts(server)[pid]["tokenizer_inherited"] is False
         assert chat(server, max_tokens=2).status_code == 200
 

@@ -19,6 +19,7 @@ from .grammar import Grammars
 from .loading import (
     load_generation_defaults,
     load_model,
+    inherited_tokenizer,
     load_tokenizer,
     model_fingerprint,
     resolve_model_dir,
@@ -94,7 +95,9 @@ class Engine:
         self._on_ready, self._on_failure = on_ready, on_failure
         self.cores = cores or no_sharing(torch.get_num_threads())
         self.model_dir = resolve_model_dir(self.settings.model)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        inherited = inherited_tokenizer(self.model_dir)
+        self.tokenizer = inherited if inherited is not None else load_tokenizer(self.model_dir)
+        self.facts["tokenizer_inherited"] = inherited is not None
         self.template = ChatTemplate(self.tokenizer, trust_control_tokens=self.settings.trust_control_tokens_in_messages)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
