@@ -17,9 +17,9 @@ from transformers import AutoConfig
 from .events import Failed, Generation
 from .grammar import Grammars
 from .loading import (
+    inherited_tokenizer,
     load_generation_defaults,
     load_model,
-    inherited_tokenizer,
     load_tokenizer,
     model_fingerprint,
     resolve_model_dir,

@@ -54,8 +54,7 @@ def resolve_model_dir(model: str) -> Path:
 
 
 # Tokenizers the Gunicorn master loaded before forking its workers, by model folder: a worker then
-# uses the copy it inherited instead of building its own (Qwen2.5's takes about 2 s of CPU and holds
-# 43 MB, which forked workers share until they write to it).
+# uses the copy it inherited instead of building its own (Qwen2.5's takes about 2 s of CPU).
 _preloaded_tokenizers: dict[Path, object] = {}
 
 
