@@ -167,7 +167,7 @@ def fused_decoder(hidden, cos, sin, layers, fused: list[FusedLayer], cache, row_
             spans = row_spans(batch, length, keys.shape[2], row_starts)
         attended = torch.ops.corechat.attention(query.view(tokens, -1, head_dim), keys.contiguous(),
                                                 values.contiguous(), *spans, scaling)
-        hidden = torch.ops.corechat.mlp(hidden, attended.view(tokens, width), *arguments.mlp)
+        hidden = torch.ops.corechat.mlp(hidden, attended.view(tokens, -1), *arguments.mlp)
     return hidden.view(batch, length, width)
 
 
