@@ -37,7 +37,9 @@ class OpenStreams:
         self.responses = [
             requests.post(
                 f"{server.url}/v1/chat/completions",
-                json={"messages": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": True},
+                # Longer than a test waits for them even on a loaded machine (4,000 tokens took under
+                # 30 s, and a stream that ended early left no live gauge to check).
+                json={"messages": COUNTING, "max_tokens": 15_000, "temperature": 0, "stream": True},
                 # Identical greedy streams would share one generation through the cache.
                 headers={"Connection": "close", "Cache-Control": "no-cache"},
                 stream=True,
@@ -101,7 +103,8 @@ def server(tiny_model_dir, tmp_path_factory, metrics_dir):
     with GunicornServer(
         tmp_path_factory.mktemp("metrics"),
         workers=2,
-        max_model_len=4096,
+        max_model_len=16_384,
+        max_tokens_limit=15_000,
         max_running=1,
         sse_ping_seconds=0.2,
         prometheus_multiproc_dir=metrics_dir,
