@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import COUNTING, anonymous_megabytes, chat, ready_facts, send_until_every_worker_served, stream_lines, wait_until
+from support import (
+    COUNTING,
+    anonymous_megabytes,
+    chat,
+    ready_facts,
+    send_until_every_worker_served,
+    stream_lines,
+    wait_until,
+)
 
 
 
