@@ -127,30 +127,29 @@ def test_stream_first_chunk_arrives_long_before_generation_ends(stack):
     assert contents[0] - started_at < 0.5 * (ended_at - started_at)
 
 
-def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(tmp_path_factory, tiny_model_dir):
-    gunicorn, nginx = start_stack(tmp_path_factory, tiny_model_dir)
-    try:
-        events = []
-        streaming = threading.Event()
+def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(stack):
+    """Runs last in this module: it stops the module's Gunicorn."""
+    gunicorn, nginx = stack
+    events = []
+    streaming = threading.Event()
 
-        def stream():
-            """Stream a long reply through nginx, noting each line as it arrives."""
-            read_stream(nginx.url, LONG_REPLY, events, on_first_data=streaming.set)
+    def stream():
+        """Stream a long reply through nginx, noting each line as it arrives (a prompt of its own:
+        an earlier test's reply would come from the response cache at once)."""
+        body = {**LONG_REPLY, "messages": [{"role": "user", "content": "Count to a thousand, slowly, and drain."}]}
+        read_stream(nginx.url, body, events, on_first_data=streaming.set)
 
-        thread = threading.Thread(target=stream)
-        thread.start()
-        assert streaming.wait(30)
-        gunicorn.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        assert thread.is_alive(), "the stream ended at SIGTERM instead of draining"
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", gunicorn.port), timeout=2).close()
-        assert requests.get(f"{nginx.url}/v1/models", timeout=10).status_code == 502
-        thread.join(60)
-        assert gunicorn.process.wait(60) == 0
-        kinds = [kind for kind, _ in events]
-        assert kinds[-1] == "done", gunicorn.log()
-        assert "content" in kinds
-    finally:
-        nginx.stop()
-        gunicorn.stop()
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert streaming.wait(30)
+    gunicorn.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert thread.is_alive(), "the stream ended at SIGTERM instead of draining"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", gunicorn.port), timeout=2).close()
+    assert requests.get(f"{nginx.url}/v1/models", timeout=10).status_code == 502
+    thread.join(60)
+    assert gunicorn.process.wait(60) == 0
+    kinds = [kind for kind, _ in events]
+    assert kinds[-1] == "done", gunicorn.log()
+    assert "content" in kinds

@@ -17,7 +17,7 @@ from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts, send
 PROMPTS = [[{"role": "user", "content": f"Question {number}: what is a lighthouse for?"}] for number in range(3)]
 REPLY_TOKENS = 12
 # A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).
-LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lights the lamp. " * 200}]
+LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lights the lamp. " * 60}]
 
 
 @pytest.fixture(scope="module")
