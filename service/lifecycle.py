@@ -45,6 +45,8 @@ def import_worker_libraries(model: str) -> None:
 # every worker it forks shares it; far more slots than workers, as a respawned worker takes the
 # lowest free slot.
 CORE_TABLE_SLOTS = 64
+# engine/cores.py's SLOT_BYTES, written out: importing service.engine loads torch, which a master
+# with PRELOAD_LIBRARIES=false never does (tests/test_cores.py holds the two equal).
 CORE_TABLE_SLOT_BYTES = 9
 _core_table: mmap.mmap | None = None
 
