@@ -256,6 +256,23 @@ def test_prompt_rows_attend_causally_and_as_a_decode_step_would():
         assert torch.allclose(prompt[token].double(), causal, rtol=2e-2, atol=2e-2)
 
 
+def test_attention_reads_a_cache_in_place_from_the_start_of_larger_tensors():
+    """A cache's views of its room (service/engine/kvcache.py) give the bits of the same keys
+    contiguous; a cache whose tokens' vectors are not contiguous is refused, not misread."""
+    generator = torch.Generator().manual_seed(8)
+    rows, heads, kv_heads, dim, width, room = 3, 14, 2, 64, 37, 300
+    query = torch.randn(rows, heads, dim, generator=generator).to(torch.bfloat16)
+    keys_room = torch.randn(rows, kv_heads, room, dim, generator=generator).to(torch.bfloat16)
+    values_room = torch.randn(rows, kv_heads, room, dim, generator=generator).to(torch.bfloat16)
+    keys, values = keys_room[:, :, :width], values_room[:, :, :width]
+    assert not keys.is_contiguous()
+    spans = (list(range(rows)), [0, 5, 36], [width] * rows)
+    in_place = attention(query, keys, values, *spans, 0.125)
+    assert torch.equal(in_place, attention(query, keys.contiguous(), values.contiguous(), *spans, 0.125))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attention(query, keys.transpose(2, 3).contiguous().transpose(2, 3), values, *spans, 0.125)
+
+
 def test_attention_refuses_rows_without_keys_or_cache():
     """An empty or out-of-range span would read nothing or outside the cache: an error, not garbage."""
     query = torch.zeros(1, 2, 8, dtype=torch.bfloat16)

@@ -92,14 +92,15 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
 // the same bits. bfloat16 in and out, float32 inside.
 struct AttentionTask {
     const uint16_t* query;       // [rows, heads, dim], strides below
-    const uint16_t* keys;        // [cache rows, kv_heads, width, dim], contiguous
-    const uint16_t* values;      // as keys
+    const uint16_t* keys;        // [cache rows, kv_heads, width, dim], strides below (a token's dim contiguous)
+    const uint16_t* values;      // as keys, the same strides
     const int64_t* cache_rows;   // [rows]
     const int64_t* starts;       // [rows]
     const int64_t* ends;         // [rows]
     uint16_t* output;            // [rows, heads, dim], contiguous
     int64_t query_row_stride, query_head_stride;
-    int64_t heads, kv_heads, width, dim;
+    int64_t cache_row_stride, cache_head_stride;
+    int64_t heads, kv_heads, dim;
     float scale;
 };
 

@@ -136,11 +136,13 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
                 "query must be [rows, heads, dim], keys and values [cache rows, kv_heads, width, dim]");
     TORCH_CHECK(query.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
                 values.scalar_type() == at::kBFloat16, "attention runs on bfloat16");
-    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && query.stride(2) == 1,
-                "keys and values must be contiguous, the query's last dimension too");
     const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
     const int64_t cache_count = keys.size(0), kv_heads = keys.size(1), width = keys.size(2);
     TORCH_CHECK(keys.size(3) == dim && heads % kv_heads == 0 && dim % 8 == 0, "query and cache shapes disagree");
+    // A cache may be a view of the first columns of a larger tensor (kvcache.py's room): each
+    // token's vector must be contiguous, the rows and heads may be any stride apart.
+    TORCH_CHECK(query.stride(2) == 1 && keys.stride(3) == 1 && keys.stride(2) == dim && values.strides() == keys.strides(),
+                "each token's keys and values must be contiguous (with the same strides), the query's last dimension too");
     for (const at::Tensor* index : {&cache_rows, &starts, &ends})
         TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->numel() == rows,
                     "cache_rows, starts and ends must be int64 [rows]");
@@ -158,7 +160,7 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
         reinterpret_cast<const uint16_t*>(values.const_data_ptr()),
         cache_row, first, last,
         reinterpret_cast<uint16_t*>(output.data_ptr()),
-        query.stride(0), query.stride(1), heads, kv_heads, width, dim, static_cast<float>(scale)};
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), heads, kv_heads, dim, static_cast<float>(scale)};
     at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) { attend(task, begin, end); });
     return output;
 }
