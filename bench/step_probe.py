@@ -27,11 +27,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
 from service.engine.batching import DecodeBatch  # noqa: E402
+from service.engine.kvcache import new_cache  # noqa: E402
 from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # noqa: E402
 
 # Top-level operators only: their totals include what they call.
@@ -47,7 +47,7 @@ def filled_batch(model, prompt_ids: list[int], rows: int) -> DecodeBatch:
     caches = []
     with torch.inference_mode():
         for row in range(rows):
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)
             model(input_ids=torch.tensor([prompt_ids[: len(prompt_ids) - row]]), cache=cache, use_cache=True,
                   logits_to_keep=1)
             caches.append(cache)

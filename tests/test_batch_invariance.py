@@ -8,10 +8,10 @@ exact response cache relies on), and the replies byte for byte as well.
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from service.engine import Engine, Failed, SamplingParams, TextDelta
 from service.engine.batching import DecodeBatch
+from service.engine.kvcache import new_cache
 from service.engine import scheduler
 from support import ready_facts
 
@@ -45,7 +45,7 @@ def decode(model, prompts: list[list[int]], leave_after: int | None = None) -> l
     caches, tokens = [], []
     with torch.inference_mode():
         for ids in prompts:
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)
             logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
             caches.append(cache)
             tokens.append(int(logits[0, -1].argmax()))
@@ -145,7 +145,7 @@ def test_a_prompt_gives_the_same_logits_whole_chunked_from_a_stored_prefix_and_d
 
     def last_logits(cuts: list[int]) -> torch.Tensor:
         """Process the prompt in passes cut at `cuts`; return the last position's logits."""
-        cache, logits = DynamicCache(config=model.config), None
+        cache, logits = new_cache(model.config), None
         with torch.inference_mode():
             for begin, end in zip([0] + cuts, cuts + [len(ids)]):
                 logits = model(input_ids=torch.tensor([ids[begin:end]]), cache=cache, use_cache=True,
@@ -157,7 +157,7 @@ def test_a_prompt_gives_the_same_logits_whole_chunked_from_a_stored_prefix_and_d
     assert torch.equal(last_logits([200]), whole)
     # The last token decoded after a prompt pass over the others, as in a batch.
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
     batch = DecodeBatch(model.config)
     batch.join([cache])

@@ -1,6 +1,6 @@
 """The prefix store and the cache building it shares with batching, pinned against transformers' cache.
 
-prefixes.py builds DynamicCache layers from tensors it already holds, through DynamicLayer's
+kvcache.py builds DynamicCache layers from tensors it already holds, through DynamicLayer's
 `keys`/`values` and `lazy_initialization` (the public `DynamicCache(ddp_cache_data)` fills layers
 through `update`, which copies every tensor once more). Those internals change between transformers
 releases: these tests fail on an upgrade that moves them, before the engine does.
@@ -12,7 +12,8 @@ from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from service.engine.loading import load_model
-from service.engine.prefixes import PrefixStore, build_cache, cache_layers
+from service.engine.kvcache import build_cache, cache_layers
+from service.engine.prefixes import PrefixStore
 
 # A Qwen2.5 chat prompt's first tokens, then one more for the step after it.
 PROMPT = [151644, 872, 198, 9707, 151645, 198]
@@ -31,7 +32,7 @@ def test_transformers_still_gives_qwen2_one_plain_dynamic_layer_per_layer(config
     cache = DynamicCache(config=config)
     assert len(cache.layers) == config.num_hidden_layers
     assert all(type(layer) is DynamicLayer for layer in cache.layers), (
-        "transformers changed DynamicCache's layers: review service/engine/prefixes.py"
+        "transformers changed DynamicCache's layers: review service/engine/kvcache.py"
     )
     layer = cache.layers[0]
     keys, values = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)

@@ -55,12 +55,21 @@ def row_spans(batch: int, queries: int, width: int, row_starts=None) -> tuple[to
     return cache_rows, starts, ends
 
 
+def kernel_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return keys and values as the kernel reads them: each token's vector contiguous, the same
+    strides for both. A cache's views of its room (kvcache.py) already are, and are not copied."""
+    dim = keys.shape[-1]
+    if keys.stride(-1) == 1 and keys.stride(-2) == dim and values.stride() == keys.stride():
+        return keys, values
+    return keys.contiguous(), values.contiguous()
+
+
 def attention_by_rows(query, key, value, scaling: float, row_starts=None) -> torch.Tensor:
     """Run the kernel: (batch, heads, queries, dim) against (batch, kv_heads, keys, dim); (batch, queries, heads, dim) out."""
     batch, heads, queries, dim = query.shape
     rows = query[:, :, 0] if queries == 1 else query[0].transpose(0, 1)
     spans = row_spans(batch, queries, key.shape[2], row_starts)
-    output = torch.ops.corechat.attention(rows, key.contiguous(), value.contiguous(), *spans, scaling)
+    output = torch.ops.corechat.attention(rows, *kernel_cache(key, value), *spans, scaling)
     return output.view(batch, queries, heads, dim)
 
 

@@ -2,13 +2,21 @@
 
 Sequences join after their own prompt pass and leave when they finish; the batch's KV cache is
 their caches left-padded to one length, so one step appends one column for every row, and an
-attention mask hides the padding.
+attention mask hides the padding. A join or leave copies the rows into new tensors with room for
+the next steps' columns (kvcache.py).
 """
 
 import torch
-import torch.nn.functional as F
 
-from .prefixes import build_cache, cache_layers
+from .kvcache import ROOM_TOKENS, build_cache, cache_layers
+
+
+def new_room(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Return zeros for `rows` rows of `width` columns and ROOM_TOKENS more, shaped like a layer's keys.
+
+    Zeros: the padding left of a row's keys is skipped or masked, but must be finite.
+    """
+    return like.new_zeros((rows, like.shape[1], width + ROOM_TOKENS, like.shape[3]))
 
 
 class DecodeBatch:
@@ -26,21 +34,21 @@ class DecodeBatch:
 
     def join(self, caches: list) -> None:
         """Append rows for sequences whose prompt pass is done (each cache holds one row)."""
-        rows = [cache_layers(self.cache) if self.cache is not None else None] + [cache_layers(c) for c in caches]
+        rows = ([cache_layers(self.cache)] if self.cache is not None else []) + [cache_layers(c) for c in caches]
         lengths = self.lengths + [cache.get_seq_length() for cache in caches]
         width = max(lengths)
         layers = []
         for layer in range(len(caches[0].layers)):
-            keys, values = [], []
-            for part in rows:
-                if part is None:
-                    continue
-                part_keys, part_values = part[layer]
-                pad = width - part_keys.shape[-2]
-                keys.append(F.pad(part_keys, (0, 0, pad, 0)))
-                values.append(F.pad(part_values, (0, 0, pad, 0)))
-            layers.append((torch.cat(keys), torch.cat(values)))
-        self.cache = build_cache(self.config, layers)
+            rooms = []
+            for held in zip(*(part[layer] for part in rows)):  # every part's keys, then every part's values
+                room = new_room(held[0], sum(tensor.shape[0] for tensor in held), width)
+                row = 0
+                for tensor in held:
+                    room[row:row + tensor.shape[0], :, width - tensor.shape[-2]:width].copy_(tensor)
+                    row += tensor.shape[0]
+                rooms.append(room)
+            layers.append((rooms[0], rooms[1]))
+        self.cache = build_cache(self.config, layers, length=width)
         self.lengths, self.width = lengths, width
 
     def leave(self, rows: list[int]) -> None:
@@ -50,12 +58,18 @@ class DecodeBatch:
             self.cache, self.lengths, self.width = None, [], 0
             return
         lengths = [self.lengths[row] for row in keep]
-        trim = self.width - max(lengths)
+        width = max(lengths)
         index = torch.tensor(keep)
-        layers = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
-                  for k, v in cache_layers(self.cache)]
-        self.cache = build_cache(self.config, layers)
-        self.lengths, self.width = lengths, self.width - trim
+        layers = []
+        for held in cache_layers(self.cache):
+            rooms = []
+            for tensor in held:
+                room = new_room(tensor, len(keep), width)
+                room[:, :, :width].copy_(tensor[:, :, self.width - width:].index_select(0, index))
+                rooms.append(room)
+            layers.append((rooms[0], rooms[1]))
+        self.cache = build_cache(self.config, layers, length=width)
+        self.lengths, self.width = lengths, width
 
     def step(self, model, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next-token logits, one row per sequence.

@@ -1,40 +1,13 @@
 """Keep the KV state of recent prompts so a shared system prompt or a conversation's earlier turns
 are not processed again (one store per worker, owned by its engine thread).
-
-Caches are read and built through DynamicLayer's `keys`, `values` and `lazy_initialization`:
-transformers has no public call that builds a cache from tensors without copying them (its
-`DynamicCache(ddp_cache_data)` goes through `update`). Those internals change between releases;
-tests/test_prefixes.py pins them, so an upgrade that moves them fails there first.
 """
 
 from collections import OrderedDict
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-
-def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Return the (keys, values) tensors of every layer of a cache."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def build_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """Build a DynamicCache that holds the given per-layer keys and values, without copying them.
-
-    DynamicCache.update would copy each tensor once more (it concatenates onto an empty one), and
-    a batch join or leave already made fresh tensors while every running stream waits. The next
-    update concatenates into new tensors, so what was handed in is never written.
-    """
-    cache = DynamicCache(config=config)
-    for index, (keys, values) in enumerate(layers):
-        layer = cache.layers[index] if index < len(cache.layers) else None
-        if type(layer) is DynamicLayer:
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        else:  # sliding-window and other layers trim what they keep: let them
-            cache.update(keys, values, index)
-    return cache
+from .kvcache import build_cache, cache_layers
 
 
 def common_prefix_length(stored: torch.Tensor, prompt: torch.Tensor) -> int:
@@ -71,8 +44,8 @@ class PrefixStore:
             return None, 0
         self._entries.move_to_end(best_key)
         _, layers = self._entries[best_key]
-        # Slices are views, and build_cache keeps them as they are; the sequence's cache appends
-        # with torch.cat (new tensors), so the stored entry is never written through them.
+        # Slices are views, and build_cache keeps them as they are; the sequence's first append
+        # copies them into room of its own (kvcache.py), so the stored entry is never written.
         return build_cache(self.config, [(k[:, :, :best_length], v[:, :, :best_length]) for k, v in layers]), best_length
 
     def store(self, prompt_ids: list[int], cache: DynamicCache) -> None:

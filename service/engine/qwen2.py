@@ -5,7 +5,8 @@ A decode step of the 0.5B model spent about a quarter of its time in Python outs
 This forward calls the products and the attention kernel directly, and serves the engine's two
 kinds of call: a prompt chunk of one sequence, and a decode step of one token per row with
 `row_starts`; anything else (a batch of padded prompts) goes to transformers' forward. It keeps
-transformers' DynamicCache, so the prefix store and the batch joins work unchanged.
+transformers' DynamicCache (with kvcache.py's layers, which append in place), so the prefix store
+and the batch joins work unchanged.
 
 Quantized models (int8, int4) run each decoder layer as three fused operators (kernels/csrc/
 layer.cpp: the norm, products and rotary before attention; the rest after it), the same arithmetic
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention import attention_by_rows, row_spans
+from .attention import attention_by_rows, kernel_cache, row_spans
 from .quantized import QuantizedLinear
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
@@ -165,8 +166,8 @@ def fused_decoder(hidden, cos, sin, layers, fused: list[FusedLayer], cache, row_
                                     value.view(batch, length, -1, head_dim).transpose(1, 2), index)
         if spans is None:
             spans = row_spans(batch, length, keys.shape[2], row_starts)
-        attended = torch.ops.corechat.attention(query.view(tokens, -1, head_dim), keys.contiguous(),
-                                                values.contiguous(), *spans, scaling)
+        attended = torch.ops.corechat.attention(query.view(tokens, -1, head_dim), *kernel_cache(keys, values),
+                                                *spans, scaling)
         hidden = torch.ops.corechat.mlp(hidden, attended.view(tokens, -1), *arguments.mlp)
     return hidden.view(batch, length, width)
 

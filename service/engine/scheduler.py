@@ -13,6 +13,7 @@ from .batching import DecodeBatch
 from .cores import SharedCores
 from .events import Failed, Finished, Generation, Started, TextDelta
 from .grammar import mask_logits
+from .kvcache import new_cache
 from .memory import reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
 from .sampling import Sampler, TokenLogprobs, sample_tokens, token_logprobs
@@ -167,7 +168,7 @@ class Scheduler:
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
             text=TextAssembler(self.tokenizer, generation.params.stop),
-            cache=cache if cache is not None else DynamicCache(config=self.model.config),
+            cache=cache if cache is not None else new_cache(self.model.config),
             started_at=now,
             next_input=input_ids[cached:],
             cached_prompt_tokens=cached,
