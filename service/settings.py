@@ -91,10 +91,15 @@ class Settings(BaseSettings):
         "a higher value absorbs the uneven way the kernel hands connections to workers (docs/performance.md)."
     )
     prefill_chunk_tokens: int = Field(
-        128, ge=16, description="Prompt tokens a worker processes between two decode steps of its running "
-        "streams, so a long prompt arriving delays their next token by about this much work; smaller chunks "
-        "keep the streams smoother and make a cold prompt's own first token a little later "
+        128, ge=16, description="Prompt tokens a worker processes at most between two decode steps of its "
+        "running streams, so a long prompt arriving delays their next token by at most this much work; "
+        "smaller chunks keep the streams smoother and make a cold prompt's own first token a little later "
         "(docs/performance.md)."
+    )
+    prefill_stall_seconds: float = Field(
+        0.5, ge=0.0, allow_inf_nan=False, description="While a worker's streams are decoding, the prompt "
+        "work it does between two of their tokens is cut to about this long, at the prompt speed it last "
+        "measured (at least 16 tokens, at most PREFILL_CHUNK_TOKENS); 0 cuts by PREFILL_CHUNK_TOKENS alone."
     )
     kv_cache_mb: int = Field(
         1024, ge=1, description="Memory per worker for the KV state of running sequences. A request starts "

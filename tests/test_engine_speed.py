@@ -3,9 +3,11 @@
 import os
 import threading
 
+import pydantic
 import pytest
 
 from service.engine import Engine, Finished, SamplingParams, TextDelta
+from service.engine.scheduler import chunk_tokens
 
 SYSTEM = "You are a terse assistant. " * 20
 QUESTIONS = ["What is a prime?", "Name a colour.", "Count to three.", "Why is water wet?"]
@@ -130,6 +132,62 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
         # One decode step after each chunk but the last; a few deltas may be held back (partial characters).
         assert deltas_between >= (chunks - 1) // 2, (chunks, deltas_between)
         assert finished.prompt_tokens == len(long_prompt)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(("most", "stall", "seconds_per_token", "expected"), [
+    (128, 0.25, 0.01, 25),  # about the stall's worth of tokens
+    (128, 0.17, 0.01, 17),  # next to the least
+    (128, 0.16, 0.01, 16),  # the least
+    (128, 0.15, 0.01, 16),  # below it: the least still
+    (128, 5e-324, 0.01, 16),  # a subnormal stall
+    (128, 1.28, 0.01, 128),  # the most
+    (128, 1.29, 0.01, 128),  # above it: the most still
+    (128, 0.25, 5e-324, 128),  # a subnormal speed: the quotient is infinite
+    (128, 1e308, 1e-308, 128),  # a quotient past the largest float
+    (128, 0.0, 0.01, 128),  # no stall: whole chunks
+    (128, 0.25, None, 128),  # no speed measured yet
+    (128, 0.25, 0.0, 128),  # a chunk timed at zero
+    (16, 5e-324, 1.0, 16),  # the settings' least chunk
+    (20, 0.001, 1.0, 16),
+])
+def test_chunk_tokens_cut_to_about_the_stall_between_the_least_and_the_most(most, stall, seconds_per_token, expected):
+    """The chunk a stall allows, at every extreme of its numbers."""
+    assert chunk_tokens(most, stall, seconds_per_token) == expected
+
+
+@pytest.mark.parametrize("stall", [-1e-9, float("inf"), float("nan")])
+def test_prefill_stall_seconds_refuses_what_cannot_bound_a_stall(make_settings, stall):
+    """A negative, infinite or NaN stall is a configuration error, not a silent default."""
+    with pytest.raises(pydantic.ValidationError, match="prefill_stall_seconds"):
+        make_settings(prefill_stall_seconds=stall)
+
+
+def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chunks_alone(make_settings, monkeypatch):
+    """Alone, a long prompt goes in PREFILL_CHUNK_TOKENS chunks; beside a decoding stream, in chunks
+    cut to PREFILL_STALL_SECONDS at the measured speed (a stall of a nanosecond: the least, 16)."""
+    from service.engine import Started
+    from service.engine.scheduler import Scheduler
+
+    taken = []
+    original = Scheduler._prefill
+    monkeypatch.setattr(Scheduler, "_prefill", lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
+    engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=128, prefill_stall_seconds=1e-9)
+    try:
+        long_prompt = engine.template.encode(engine.template.render([{"role": "user", "content": SYSTEM * 3}]))
+        assert len(long_prompt) > 3 * 128
+        run_to_end(engine, long_prompt, max_tokens=1)
+        whole, tail = divmod(len(long_prompt), 128)
+        assert taken == [128] * whole + ([tail] if tail else [])
+        running = engine.submit(prompt_of(engine, QUESTIONS[0]), SamplingParams(max_tokens=100_000, temperature=0.0))
+        assert isinstance(running.next_event(timeout=30), Started)
+        assert running.next_event(timeout=30) is not None  # decoding
+        taken.clear()
+        run_to_end(engine, long_prompt, max_tokens=1)
+        running.cancel()
+        whole, tail = divmod(len(long_prompt), 16)
+        assert taken == [16] * whole + ([tail] if tail else [])
     finally:
         engine.stop()
 

@@ -22,6 +22,17 @@ from .text import TextAssembler, TokenLogprob, TokenSpeller
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
+# The fewest prompt tokens a chunk holds (settings' least PREFILL_CHUNK_TOKENS), however slow the
+# prompt speed: each chunk reads every weight once, so tiny chunks would mostly read.
+MIN_CHUNK_TOKENS = 16
+
+
+def chunk_tokens(most: int, stall_seconds: float, seconds_per_token: float | None) -> int:
+    """Return how many prompt tokens take about `stall_seconds` at the given speed, between
+    min(most, MIN_CHUNK_TOKENS) and `most`; `most` where no stall or no speed is given."""
+    if stall_seconds <= 0 or not seconds_per_token:
+        return most
+    return max(min(most, MIN_CHUNK_TOKENS), int(min(most, stall_seconds / seconds_per_token)))
 
 
 @dataclass
@@ -68,6 +79,9 @@ class Scheduler:
         self.running = 0
         self._decode_seconds = 0.0
         self._forward_seconds = 0.0
+        # The last prompt chunk's CPU-thread seconds per token (None until one ran), for cutting the
+        # next: a lone prompt runs on lent cores, one beside streams often on the worker's own.
+        self._thread_seconds_per_prompt_token: float | None = None
 
     def serve(self, stopping: threading.Event) -> None:
         """Admit queued requests, advance prompts by a chunk, then every running sequence by one token, until stopping.
@@ -193,18 +207,21 @@ class Scheduler:
     # Prompt chunks --------------------------------------------------------------------------
 
     def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
-        """Process up to PREFILL_CHUNK_TOKENS prompt tokens in whole chunks, oldest prompt first.
+        """Process prompt tokens, oldest prompt first, in chunks of PREFILL_CHUNK_TOKENS, cut shorter
+        while streams decode so that they wait about PREFILL_STALL_SECONDS at most.
 
-        Prompts that are done join the batch. Between two decode steps the running sequences wait
-        for at most this much prompt work, so a long prompt arriving slows their tokens down
-        instead of stopping them.
+        Prompts that are done join the batch. A long prompt arriving so slows the running streams'
+        tokens down instead of stopping them. Where a prompt is cut never changes its logits (the
+        kernels compute each row alone: tests/test_batch_invariance.py).
         """
         chunk = self.settings.prefill_chunk_tokens
+        if active and self._thread_seconds_per_prompt_token is not None:
+            seconds_per_token = self._thread_seconds_per_prompt_token / self.cores.threads
+            chunk = chunk_tokens(chunk, self.settings.prefill_stall_seconds, seconds_per_token)
         budget, joining = chunk, []
-        # Whole chunks only, so where a prompt is cut never depends on what else is running.
-        while prefilling and (budget == chunk or min(chunk, len(prefilling[0].next_input)) <= budget):
+        while prefilling and budget > 0:
             sequence = prefilling[0]
-            take = min(chunk, len(sequence.next_input))
+            take = min(budget, len(sequence.next_input))
             budget -= take
             goes_on = self._prefill(sequence, take)
             if goes_on is not None:
@@ -248,7 +265,10 @@ class Scheduler:
                 if not sequence.next_input:
                     self.prefixes.store(sequence.generation.input_ids, sequence.cache)
                     mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
-            sequence.prompt_seconds += time.monotonic() - began
+            elapsed = time.monotonic() - began
+            sequence.prompt_seconds += elapsed
+            self._thread_seconds_per_prompt_token = elapsed * self.cores.threads / max(1, len(chunk))
+            log.debug("prompt chunk: %d tokens in %.3f s on %d threads", len(chunk), elapsed, self.cores.threads)
             if sequence.next_input:
                 return None
             self.facts["prefix_cache_bytes"] = self.prefixes.bytes
