@@ -29,14 +29,19 @@ def import_worker_libraries(model: str) -> None:
     a tokenizer starts none, encoding would), so the master stays single-threaded and forks hold no
     lock another thread took; each worker sets its own threads and loads its own model after fork.
     gc.freeze() keeps the workers' garbage collections from writing to, and so copying, the pages
-    these objects live on.
+    these objects live on. What importing and loading freed goes back to the kernel first: glibc
+    would keep it in the master's heap, where it lingers as the master's own once the workers
+    (which trim theirs when idle) drop their copies of those pages.
     """
     import gc
 
     from . import api, auth, cache, chat, engine, errors, limits, metrics, observed, openapi, ui  # noqa: F401
     from .engine.loading import preload_tokenizer
+    from .engine.memory import return_freed_memory
 
     preload_tokenizer(model)
+    gc.collect()
+    return_freed_memory()
     gc.freeze()
 
 
