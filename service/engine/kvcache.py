@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 # Columns a layer allocates beyond what it holds: a full room is copied once every ROOM_TOKENS
-# appended tokens at most, and a running sequence holds at most this many unused columns per layer
-# (3 MiB for Qwen2.5-0.5B).
+# appended tokens at most, and a running sequence holds at most this many unused columns in each
+# layer (3 MiB in all for Qwen2.5-0.5B).
 ROOM_TOKENS = 256
 
 
