@@ -23,7 +23,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.compile_probe import load  # noqa: E402
-from service.engine.batching import new_room  # noqa: E402
+from service.engine.batching import DecodeBatch  # noqa: E402
 from service.engine.kvcache import build_cache  # noqa: E402
 
 ROUNDS = 3
@@ -47,17 +47,11 @@ def concatenating_cache(config, layers) -> DynamicCache:
     return cache
 
 
-def room_cache(config, layers, context: int) -> DynamicCache:
+def room_cache(config, layers) -> DynamicCache:
     """Return the engine's cache holding the layers in room, as a batch join leaves it."""
-    rooms = []
-    for keys, values in layers:
-        pair = []
-        for tensor in (keys, values):
-            room = new_room(tensor, tensor.shape[0], context)
-            room[:, :, :context].copy_(tensor)
-            pair.append(room)
-        rooms.append((pair[0], pair[1]))
-    return build_cache(config, rooms, length=context)
+    batch = DecodeBatch(config)
+    batch.join([build_cache(config, layers)])
+    return batch.cache
 
 
 def step_seconds(model, cache, rows: int, context: int, steps: int) -> list[float]:
@@ -93,7 +87,7 @@ def main() -> None:
             for _ in range(ROUNDS):
                 timed["concatenating"] += step_seconds(model, concatenating_cache(model.config, layers), rows, context,
                                                        args.steps)
-                timed["room"] += step_seconds(model, room_cache(model.config, layers, context), rows, context,
+                timed["room"] += step_seconds(model, room_cache(model.config, layers), rows, context,
                                               args.steps)
             row = {"context": context, "rows": rows,
                    **{f"{name}_step_seconds": statistics.median(times) for name, times in timed.items()}}

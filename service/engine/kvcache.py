@@ -1,8 +1,7 @@
 """The KV cache: transformers' DynamicCache, whose plain layers append into room instead of concatenating.
 
-DynamicLayer.update concatenates, so every decode step copied each layer's whole cache: at 4,000
-tokens of context and 4 rows that was about 45 ms of copying per 0.5B step, more than the step's
-products (bench/kv_append_probe.py). A GrowingLayer keeps its keys and values as views of the first
+DynamicLayer.update concatenates, so every decode step copied each layer's whole cache: at 4,096
+tokens of context and 4 rows, about 40 ms of a 0.5B int8 step of 290 ms (bench/kv_append_probe.py). A GrowingLayer keeps its keys and values as views of the first
 columns of larger tensors it allocated (its room) and writes each step's column into the room; a full
 room is replaced by one ROOM_TOKENS columns longer than needed, copied once. Attention reads the
 views in place (the kernel takes a cache's strides).
