@@ -60,6 +60,9 @@ preload_app = False
 timeout = settings.worker_timeout
 graceful_timeout = settings.graceful_timeout
 keepalive = 5
+# Every response goes out through send(), where the worker's send deadline applies
+# (SEND_TIMEOUT_SECONDS); Python's sendfile() would wait for a client that never reads without end.
+sendfile = False
 loglevel = settings.log_level
 accesslog = "-"
 errorlog = "-"

@@ -63,15 +63,37 @@ def answer_preflight():
     return response
 
 
+def cors_headers(origin: str | None, allowed_origins: frozenset[str]) -> dict[str, str]:
+    """Return the CORS headers of a response to a page on `origin`: none while no origin is allowed.
+
+    The worker's event loop adds them to the answers it gives itself (a 503's Retry-After must be
+    readable by the page too), so this takes no request.
+    """
+    if not allowed_origins:
+        return {}
+    # The answer depends on Origin, so shared caches must not serve one origin's answer to another.
+    headers = {"Vary": "Origin"}
+    if origin in allowed_origins:
+        headers["Access-Control-Allow-Origin"] = origin
+        headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
+    return headers
+
+
 def add_cors_headers(response):
     """Let pages on allowed origins read the response, errors included, and its cache and retry headers."""
-    if not _settings().cors_origin_set:
-        return response
-    # The answer depends on Origin, so shared caches must not serve one origin's answer to another.
-    response.vary.add("Origin")
-    if _origin_allowed():
-        response.headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
-        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
+    headers = cors_headers(request.headers.get("Origin"), _settings().cors_origin_set)
+    if headers:
+        response.vary.add(headers.pop("Vary"))
+        response.headers.update(headers)
+    return response
+
+
+def add_security_headers(response):
+    """Keep browsers from guessing a response's type, and caches from storing a JSON reply (it may hold
+    a conversation or a model's answer to it)."""
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    if response.mimetype == "application/json":
+        response.headers["Cache-Control"] = "no-store"
     return response
 
 
@@ -122,7 +144,8 @@ def caller_key_hash() -> str | None:
 
 
 def init_app(app) -> None:
-    """Answer preflights first, then check keys, and mark every response for allowed origins."""
+    """Answer preflights first, then check keys; mark every response for allowed origins and browsers."""
     app.before_request(answer_preflight)
     app.before_request(require_api_key)
     app.after_request(add_cors_headers)
+    app.after_request(add_security_headers)

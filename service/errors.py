@@ -113,6 +113,9 @@ def raw_error_response(error: APIError) -> bytes:
         "Content-Type: application/json",
         f"Content-Length: {len(body)}",
         "Connection: close",
+        # What the app adds to its own JSON replies (service/auth.py).
+        "X-Content-Type-Options: nosniff",
+        "Cache-Control: no-store",
         *(f"{name}: {value}" for name, value in error.headers.items()),
     ]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body

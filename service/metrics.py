@@ -88,6 +88,10 @@ replayed_generation_tokens_total = Counter(
     "corechat_replayed_generation_tokens",
     "Completion tokens of replies replayed from the response cache or an identical request's generation.",
 )
+send_timeouts_total = Counter(
+    "corechat_send_timeouts",
+    "Responses cut because their client read none of them for SEND_TIMEOUT_SECONDS (a generation is cancelled).",
+)
 cache_lookups_total = Counter(
     "corechat_cache_lookups", "Response cache lookups by result: hit, miss, bypass or error.", ["result"]
 )

@@ -1,11 +1,11 @@
 """The request body of chat completions: parsed strictly, every problem named by its field."""
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from . import nesting
 from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
@@ -69,7 +69,7 @@ class ChatMessage(_Strict):
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                 "function": {"name": call.function.name, "arguments": nesting.loads(call.function.arguments)}}
                 for call in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -246,11 +246,11 @@ def _reject_constant(name: str):
 def parse_json_body(data: bytes):
     """Decode a request body as strict JSON."""
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        return nesting.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise InvalidRequest("the request body is not valid UTF-8") from None
-    except RecursionError:
-        raise InvalidRequest("the request body is nested too deeply") from None
+    except nesting.TooDeep as exc:
+        raise InvalidRequest(f"the request body is {exc}") from None
     except ValueError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
@@ -284,7 +284,9 @@ def _check_messages(request: ChatCompletionRequest) -> None:
         for call_index, call in enumerate(message.tool_calls or []):
             param = f"{where}.tool_calls[{call_index}].function.arguments"
             try:
-                arguments = json.loads(call.function.arguments)
+                arguments = nesting.loads(call.function.arguments)
+            except nesting.TooDeep as exc:
+                raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
             except ValueError:
                 raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
             if not isinstance(arguments, dict):
@@ -334,8 +336,6 @@ def parse_chat_request(body) -> ChatCompletionRequest:
         else:
             message = f"invalid '{param}': {message}"
         raise InvalidRequest(message, param=param or None) from None
-    except RecursionError:
-        raise InvalidRequest("the request body is nested too deeply") from None
     _check_messages(request)
     _check_tool_fields(request)
     return request

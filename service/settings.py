@@ -4,6 +4,7 @@ This module must stay importable without torch: `gunicorn.conf.py` reads it in t
 it decides whether to import torch at all (PRELOAD_LIBRARIES).
 """
 
+import ipaddress
 import os
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -124,6 +125,11 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Seconds a client may take to send a whole request (headers and body) from "
         "its first byte; a slower one gets a 408. Requests arrive in the worker's event loop, so a slow "
         "client holds no request thread meanwhile."
+    )
+    send_timeout_seconds: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="Seconds a response may wait on a client that reads none of "
+        "it (its socket buffers full): the connection is then closed, its generation cancelled and counted in "
+        "corechat_send_timeouts_total, and its place freed for the next request."
     )
     worker_timeout: int = Field(
         60, ge=1, description="Seconds of silence from a worker's main loop before Gunicorn restarts it; "
@@ -266,12 +272,19 @@ class Settings(BaseSettings):
         "/readyz and the chat page's files needs `Authorization: Bearer <key>`. Empty: no keys needed."
     )
     metrics_require_key: bool = Field(
-        False, description="Ask for an API key on /metrics too; off by default because /metrics "
-        "belongs on a private port or network, where Prometheus scrapes it without a key."
+        True, description="With API_KEYS set, /metrics needs a key too, as every other route but the probes and "
+        "the chat page (Prometheus sends one with `authorization.credentials_file`, see "
+        "deploy/prometheus/prometheus.yml). false opens /metrics to anyone who reaches Gunicorn."
     )
     cors_origins: str = Field(
         "", description="Comma-separated origins (scheme://host[:port]) whose pages may call the API "
         "from a browser; none by default. `*` is not accepted: list each frontend."
+    )
+    allowed_networks: str = Field(
+        "", description="Comma-separated addresses or networks (CIDR) besides loopback that may connect to "
+        "Gunicorn: with a BIND on other interfaces, the nginx hosts and Prometheus. A worker closes any other "
+        "connection at once, and deploy/install.sh writes the same list into the unit's IPAddressAllow= "
+        "(list a Redis on another host too: the unit lets corechat reach only these). Empty: loopback only."
     )
 
     @field_validator("cors_origins")
@@ -283,6 +296,22 @@ class Settings(BaseSettings):
             if scheme not in ("http", "https") or not host or "/" in host:
                 raise ValueError(f"cors_origins: {origin!r} is not an origin like https://chat.example.com")
         return value
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _check_allowed_networks(cls, value: str) -> str:
+        """Accept only addresses and networks, so a typo fails at start instead of shutting a host out."""
+        for network in _split_list(value):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"allowed_networks: {network!r} is not an address or network like 10.0.0.0/24") from None
+        return value
+
+    @property
+    def allowed_network_list(self) -> tuple:
+        """Return the networks besides loopback that may connect to Gunicorn."""
+        return tuple(ipaddress.ip_network(network, strict=False) for network in _split_list(self.allowed_networks))
 
     @property
     def api_key_list(self) -> tuple[str, ...]:

@@ -12,6 +12,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from . import nesting
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The start of a block whose arguments can stream: the name, then the arguments value.
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -135,7 +137,7 @@ class ToolCallParser:
     def _close(self, call: _OpenCall) -> tuple[list[dict], str]:
         """Finish a block: send the rest of its arguments, or give its text back when it is no tool call."""
         try:
-            body = json.loads(call.text)
+            body = nesting.loads(call.text)
             valid = isinstance(body, dict) and isinstance(body.get("name"), str) and "arguments" in body
         except ValueError:
             body, valid = None, False

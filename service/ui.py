@@ -30,7 +30,6 @@ def add_page_headers(response):
     reached (`/static/index.html` is the same page)."""
     if request.endpoint in PAGE_ENDPOINTS:
         response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
-        response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "no-referrer"
     return response
 

@@ -3,16 +3,19 @@
 Gunicorn's gthread worker hands a connection to a request thread as soon as its first byte arrives,
 and the thread then waits for the rest: sixteen clients that send half a request held every thread
 of a worker, and probes timed out behind them. Here the worker's selector loop reads every request
-to its end (h11 frames it: headers, Content-Length or chunked body, Expect: 100-continue), within
-REQUEST_ARRIVAL_SECONDS and MAX_REQUEST_BYTES, and only then gives the bytes to a request thread,
-where Gunicorn parses them again from memory and runs the app. Keep-alive connections wait in the
-same loop between requests.
+to its end (h11 frames it, service/arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
+and only then gives a request thread what h11 decoded, rebuilt as one Content-Length request that
+Gunicorn parses from memory before it runs the app. Keep-alive connections wait in the same loop
+between requests.
 
 Admission happens in the loop too, before any wait: a POST (a chat completion, the only request that
 holds its thread for long: it streams, waits for a whole reply or follows an identical request) takes
 one of the worker's MAX_RUNNING + MAX_QUEUE places until its response ends, or is refused with a 503
-at once when none is free. The worker has a thread per place plus SPARE_HTTP_THREADS, so a request
-that got a place always gets a thread, and probes, scrapes and other quick requests find a free one.
+at once when none is free, as soon as its head has arrived (before a `100 Continue`, so a full
+worker never makes a client upload the body it refuses). The worker has a thread per place plus
+SPARE_HTTP_THREADS, so a request that got a place always gets a thread, and probes, scrapes and
+other quick requests find a free one. A response whose client reads none of it for
+SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
 
 A worker starts accepting connections only once its engine is ready, so no request waits on a model
 load. This module is imported by Gunicorn's master (it resolves the worker class), so it imports
@@ -20,8 +23,10 @@ neither Flask nor torch at the top.
 """
 
 import errno
+import ipaddress
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -31,7 +36,8 @@ from gunicorn import http
 from gunicorn.http import errors as gunicorn_errors
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
-from .arrival import GUNICORN_ERRORS, MALFORMED, ArrivingRequest, RefusedRequest, http_error
+from .arrival import GUNICORN_ERRORS, MALFORMED, ArrivingRequest, RefusedRequest, WholeRequest, http_error
+from .refusal import access_entry, render
 from .settings import get_settings
 
 READ_BYTES = 64 * 1024
@@ -43,15 +49,24 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 64 * 1024
 EXPIRY_CHECK_SECONDS = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Gunicorn settings that change how a request is read or routed, which this worker's own reading
+# would silently contradict: (setting, the value it must keep, why).
+UNSUPPORTED_SETTINGS = (
+    ("proxy_protocol", "off", "the event loop reads plain HTTP/1.1 from the first byte"),
+    ("casefold_http_method", False, "admission counts only an exact POST, and Flask would route a `post` as POST"),
+    ("permit_unconventional_http_method", False, "admission counts only an exact POST"),
+)
 
 
 class Connection(TConn):
-    """A client connection: whether its request holds a place, and what the client sent after it."""
+    """A client connection: whether its request holds a place, and the request it carries."""
 
     def __init__(self, cfg, sock, client, server):
         super().__init__(cfg, sock, client, server)
         self.holds_place = False
         self.leftover = b""
+        self.arrived: ArrivingRequest | None = None
+        self.send_timed_out = False
 
 
 def count_refusal(code: str) -> None:
@@ -61,31 +76,57 @@ def count_refusal(code: str) -> None:
     count_refused_by_worker(code)
 
 
+def count_send_timeout() -> None:
+    """Count a response cut because its client read none of it for SEND_TIMEOUT_SECONDS."""
+    from .metrics import send_timeouts_total
+
+    send_timeouts_total.inc()
+
+
+def is_loopback(client) -> bool:
+    """Tell whether a peer address is loopback (or a Unix socket, which has no address)."""
+    if not isinstance(client, tuple):
+        return True
+    return ipaddress.ip_address(client[0].partition("%")[0]).is_loopback
+
+
 class CorechatWorker(ThreadWorker):
     """gthread, with whole requests read in the event loop and accepting deferred until the engine is ready."""
 
     @classmethod
     def check_config(cls, cfg, log):
-        """Refuse the protocols this worker does not frame itself (TLS, HTTP/2, uwsgi)."""
+        """Refuse at start the Gunicorn settings this worker cannot honour, saying which and why."""
         super().check_config(cfg, log)
         if cfg.is_ssl or cfg.protocol != "http" or cfg.http2_cleartext != "off":
             raise RuntimeError(
                 "corechat's worker serves plain HTTP/1.1 only: terminate TLS and HTTP/2 in front of it "
                 "(nginx), and leave Gunicorn's certfile, protocol and http2_cleartext at their defaults"
             )
+        for name, required, reason in UNSUPPORTED_SETTINGS:
+            if getattr(cfg, name) != required:
+                raise RuntimeError(f"corechat's worker needs Gunicorn's {name} = {required!r}: {reason}")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         settings = get_settings()
         self.arrival_seconds = settings.request_arrival_seconds
+        self.send_seconds = settings.send_timeout_seconds
         self.max_body_bytes = settings.max_request_bytes
         self.places = settings.request_places
         self.free_places = settings.request_places
+        # Bodies still arriving may hold this much of the worker's memory together: as many whole
+        # bodies as the worker has places, the most it could serve at once anyway.
+        self.arriving_budget = settings.request_places * settings.max_request_bytes
+        self.arriving_bytes = 0
+        self.allowed_networks = settings.allowed_network_list
+        self.cors_origins = settings.cors_origin_set
         self.arriving: dict[Connection, ArrivingRequest] = {}
         self.dispatched: deque[Connection] = deque()
         self.lingering: dict[Connection, tuple[float, int]] = {}
         self.open_for_requests = False
+        self.stopped_listening = False
         self.next_expiry_check = 0.0
+        self.serving = threading.local()
 
     # Readiness ------------------------------------------------------------------------------
 
@@ -113,20 +154,35 @@ class CorechatWorker(ThreadWorker):
 
     def set_accept_enabled(self, enabled):
         """Accept connections only once the worker is open for requests, and never once it stops."""
-        super().set_accept_enabled(enabled and self.open_for_requests and self.alive)
+        super().set_accept_enabled(enabled and self.open_for_requests and self.alive and not self.stopped_listening)
 
     def handle_exit(self, sig, frame):
-        """On SIGTERM, close this worker's listening sockets at once, then drain.
+        """On SIGTERM, stop listening at once (in the event loop), then drain.
 
         On SIGTERM the master closes its listeners, but every worker holds inherited copies, so the
         kernel kept completing new connections into a backlog that no one would accept: clients hung
-        until the worker exited and then got a reset. Closed here, new connections are refused at
-        once and go to another worker, host or (during a reload) the new master's workers, while the
-        requests in flight finish within graceful_timeout.
+        until the worker exited and then got a reset. Closed, new connections are refused at once and
+        go to another worker, host or (during a reload) the new master's workers, while the requests
+        in flight finish within graceful_timeout.
+
+        The handler interrupts the loop anywhere, even inside the poller's own bookkeeping, so it
+        only asks the loop to stop listening: the wake-up it queues runs stop_listening there within
+        one turn.
         """
+        super().handle_exit(sig, frame)
+        self.method_queue.defer(self.stop_listening)
+
+    def stop_listening(self) -> None:
+        """Take the listeners out of the poller, then close them (in the event loop).
+
+        Closed while still registered, a listener inherited from the master stays in epoll (the
+        master's copy keeps it open), and a connection waiting in its backlog woke the loop without
+        end.
+        """
+        self.set_accept_enabled(False)
+        self.stopped_listening = True
         for listener in self.sockets:
             listener.close()
-        super().handle_exit(sig, frame)
 
     # The event loop --------------------------------------------------------------------------
 
@@ -140,7 +196,7 @@ class CorechatWorker(ThreadWorker):
             if not self.is_parent_alive():
                 break
             self.expire_waiting()
-        self.set_accept_enabled(False)
+        self.stop_listening()
         # A request a client may already be sending on a kept-alive connection is still answered
         # (with "Connection: close"); idle connections close soon after.
         linger_until = time.monotonic() + STOP_KEEPALIVE_LINGER
@@ -157,26 +213,42 @@ class CorechatWorker(ThreadWorker):
         self.tpool.shutdown(wait=False)
         self.poller.close()
         self.method_queue.close()
-        for listener in self.sockets:
-            listener.close()
 
     def accept(self, listener):
         """Accept the connections waiting (a few at most, so the workers share a burst) and read
         what each already sent."""
+        # A listener's readiness may come in the same batch of events as the wake-up that closed it.
+        if self.stopped_listening:
+            return
         for _ in range(ACCEPT_BATCH):
             if self.nr_conns >= self.worker_connections:
                 return
             try:
                 client_sock, client_addr = listener.accept()
             except OSError as error:
-                # EBADF: SIGTERM closed the listener between the poll and this call.
-                if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED, errno.EBADF):
+                if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
                     raise
                 return
+            if not self.peer_allowed(client_addr):
+                self.log.debug("closed a connection from %s, outside ALLOWED_NETWORKS", client_addr)
+                client_sock.close()
+                continue
             self.nr_conns += 1
+            # The send deadline is the kernel's (a send that moves nothing for this long fails with
+            # EAGAIN), not a socket timeout: Python waits for readability before every recv on a
+            # socket with a timeout, MSG_DONTWAIT or not, and the disconnect watch peeks with one.
+            seconds, fraction = divmod(self.send_seconds, 1)
+            client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(fraction * 1e6)))
             conn = Connection(self.cfg, client_sock, client_addr, listener.getsockname())
             arriving = self.await_request(conn, time.monotonic() + self.arrival_seconds, idle=False)
             self.on_request_bytes(arriving, client_sock)
+
+    def peer_allowed(self, client) -> bool:
+        """Tell whether a peer may connect: loopback, or an address in ALLOWED_NETWORKS."""
+        if is_loopback(client):
+            return True
+        address = ipaddress.ip_address(client[0].partition("%")[0])
+        return any(address in network for network in self.allowed_networks)
 
     def await_request(self, conn: Connection, deadline: float, *, idle: bool, leftover: bytes = b"") -> ArrivingRequest:
         """Read the connection's next request in the loop, starting from bytes already received."""
@@ -200,11 +272,15 @@ class CorechatWorker(ThreadWorker):
 
     def take_bytes(self, arriving: ArrivingRequest, data: bytes) -> None:
         """Frame the bytes; dispatch a whole request, refuse a bad one, or wait for more."""
-        if arriving.idle and data:
-            arriving.idle = False
-            arriving.deadline = time.monotonic() + self.arrival_seconds
+        if arriving.started_at is None and data:
+            arriving.started_at = time.monotonic()
+            if arriving.idle:
+                arriving.idle = False
+                arriving.deadline = arriving.started_at + self.arrival_seconds
         try:
-            whole = arriving.take(data)
+            whole = self.frame(arriving, data)
+            if self.arriving_bytes > self.arriving_budget:
+                raise self.overloaded(f"request bodies still arriving fill this worker's {self.arriving_budget} bytes")
         except RefusedRequest as refused:
             self.log.warning("refused a request from %s: %s", arriving.conn.client, refused.message)
             self.refuse(arriving, refused)
@@ -212,15 +288,38 @@ class CorechatWorker(ThreadWorker):
         except ConnectionError:
             self.close(arriving.conn)
             return
+        if arriving.request is not None and not arriving.admitted:
+            if not self.admit(arriving):
+                return
         if whole is not None:
-            self.dispatch(arriving, *whole)
+            self.dispatch(arriving, whole)
         elif arriving.waits_for_continue():
             arriving.continued = True
             self.send_now(arriving.conn, CONTINUE)
 
-    def dispatch(self, arriving: ArrivingRequest, request: bytes, leftover: bytes) -> None:
+    def frame(self, arriving: ArrivingRequest, data: bytes) -> WholeRequest | None:
+        """Give the bytes to the request's framing, counting the body bytes the worker holds for it."""
+        held = len(arriving.body)
+        try:
+            return arriving.take(data)
+        finally:
+            self.arriving_bytes += len(arriving.body) - held
+
+    def admit(self, arriving: ArrivingRequest) -> bool:
+        """Refuse a POST as soon as its head has arrived when no place is free; tell whether it goes on.
+
+        The place itself is taken when the whole request has arrived (dispatch): a slow upload holds
+        none meanwhile.
+        """
+        if arriving.method == b"POST" and not self.free_places:
+            self.refuse(arriving, self.overloaded())
+            return False
+        arriving.admitted = True
+        return True
+
+    def dispatch(self, arriving: ArrivingRequest, whole: WholeRequest) -> None:
         """Give a whole request to a request thread, parsed by Gunicorn from memory, never from the
-        socket; a POST first takes a place, or is refused when none is free."""
+        socket; a POST takes a place, or is refused when none is free."""
         conn = arriving.conn
         if arriving.method == b"POST":
             if not self.free_places:
@@ -229,8 +328,9 @@ class CorechatWorker(ThreadWorker):
             self.free_places -= 1
             conn.holds_place = True
         self.stop_waiting(conn)
-        conn.parser = http.get_parser(self.cfg, [request], conn.client)
-        conn.leftover = leftover
+        conn.parser = http.get_parser(self.cfg, [whole.head, whole.body] if whole.body else [whole.head], conn.client)
+        conn.leftover = whole.leftover
+        conn.arrived = arriving
         conn.data_ready = True
         self.dispatched.append(conn)
 
@@ -251,33 +351,72 @@ class CorechatWorker(ThreadWorker):
         while self.dispatched:
             self.enqueue_req(self.dispatched.popleft())
 
+    # In a request thread ----------------------------------------------------------------------
+
+    def handle(self, conn):
+        """Serve one request in a thread, remembering its connection for handle_error."""
+        self.serving.conn = conn
+        try:
+            return super().handle(conn)
+        finally:
+            self.serving.conn = None
+
     def handle_request(self, req, conn):
-        """Run the app; the loop already answered any Expect: 100-continue before the body came."""
+        """Run the app, its response sent within the send deadline.
+
+        The loop already answered any Expect: 100-continue before the body came. A response whose
+        client has read none of it for SEND_TIMEOUT_SECONDS (every socket buffer full) is cut: the
+        send fails (SO_SNDTIMEO, set at accept), the connection closes, and Gunicorn closing the
+        app's iterator cancels the generation.
+        """
         req._expected_100_continue = False
-        return super().handle_request(req, conn)
+        # Gunicorn's max_keepalived: gthread counts its idle connections, this worker its waiting ones.
+        if len(self.arriving) >= self.max_keepalived:
+            req.force_close()
+        try:
+            return super().handle_request(req, conn)
+        except BlockingIOError:
+            conn.send_timed_out = True
+            self.log.info(
+                "closed the connection of %s: it read nothing of its response for %g seconds (SEND_TIMEOUT_SECONDS)",
+                conn.client, self.send_seconds,
+            )
+            count_send_timeout()
+            return False
+
+    def _keepalive_after(self, conn, keepalive):
+        """Keep the connection when the response allows: the loop has read the request to its end, so
+        a body the app left unread holds no bytes of the socket (gthread would drain it)."""
+        return keepalive
 
     def handle_error(self, req, client, addr, exc):
-        """Answer an error Gunicorn raised in a request thread in OpenAI's shape, not as an HTML page."""
+        """Answer an error Gunicorn raised in a request thread in OpenAI's shape, not as an HTML page,
+        and log it like any other response."""
         if isinstance(exc, gunicorn_errors.ParseException):
             status, code = GUNICORN_ERRORS.get(type(exc), MALFORMED)
-            self.log.warning("refused a request from %s: %s", addr, exc)
-            response = http_error(status, f"invalid HTTP request: {exc}", code)
+            # The exception's text may quote a header value (an API key): only its kind is told.
+            self.log.warning("refused a request from %s: %s", addr, type(exc).__name__)
+            response = http_error(status, f"invalid HTTP request: {type(exc).__name__}", code)
         else:
             self.log.exception("error handling a request")
-            response = http_error(500, "internal server error", "internal_error")
+            status = 500
+            response = http_error(status, "internal server error", "internal_error")
         try:
             client.sendall(response)
         except OSError:
             self.log.debug("could not send the error response")
+        conn = getattr(self.serving, "conn", None)
+        if conn is not None and conn.arrived is not None:
+            self.log_answer(conn.arrived, status, len(response))
 
-    def overloaded(self) -> RefusedRequest:
-        """Build the 503 of a POST that found every place of this worker taken."""
+    def overloaded(self, reason: str = "") -> RefusedRequest:
+        """Build the 503 of a request this worker has no room for."""
         # Imported here: the constant's module imports Flask (see http_error).
         from .errors import RETRY_AFTER_SECONDS
 
         return RefusedRequest(
             503,
-            f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
+            reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
             "overloaded",
             # Every chat response says whether the cache served it: this one never reached it.
             headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": "bypass"},
@@ -293,9 +432,12 @@ class CorechatWorker(ThreadWorker):
             keepalive = not fs.cancelled() and fs.result()
         except Exception:
             keepalive = False
-        # Bytes Gunicorn's parser left unread mean it framed the request differently from h11: the
-        # next request's start is unknown, so the connection closes.
-        if keepalive and not conn.parser.unreader.take_buffered():
+        if conn.send_timed_out:
+            # Its buffers hold a response the client does not read: reset the connection, so the
+            # kernel does not keep trying to deliver it either.
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close(conn)
+        elif keepalive:
             idle_seconds = self.cfg.keepalive if self.alive else min(self.cfg.keepalive, STOP_KEEPALIVE_LINGER)
             self.await_request(conn, time.monotonic() + idle_seconds, idle=True, leftover=conn.leftover)
         else:
@@ -304,13 +446,20 @@ class CorechatWorker(ThreadWorker):
     # Closing ---------------------------------------------------------------------------------
 
     def refuse(self, arriving: ArrivingRequest, refused: RefusedRequest) -> None:
-        """Answer a request from the loop, count it if it was a chat request, and close the connection."""
+        """Answer a request from the loop, log and count it like any response, and close the connection."""
         conn = arriving.conn
         self.stop_waiting(conn)
-        self.send_now(conn, http_error(refused.status, refused.message, refused.code, refused.headers))
+        response = render(refused, arriving, self.cors_origins)
+        self.send_now(conn, response)
         if arriving.method == b"POST":
             count_refusal(refused.code)
+        self.log_answer(arriving, refused.status, len(response))
         self.linger(conn)
+
+    def log_answer(self, arriving: ArrivingRequest, status: int, sent: int) -> None:
+        """Write an answer the app never saw to the access log (and statsd, when Gunicorn sends to it)."""
+        started_at = arriving.started_at or time.monotonic()
+        self.log.access(*access_entry(arriving, status, sent, time.monotonic() - started_at))
 
     def send_now(self, conn: Connection, data: bytes) -> None:
         """Send a short answer without blocking the loop (it fits an empty socket buffer)."""
@@ -365,7 +514,9 @@ class CorechatWorker(ThreadWorker):
 
     def stop_waiting(self, conn: Connection) -> None:
         """Take a connection out of the loop's watch."""
-        self.arriving.pop(conn, None)
+        arriving = self.arriving.pop(conn, None)
+        if arriving is not None:
+            self.arriving_bytes -= len(arriving.body)
         self.lingering.pop(conn, None)
         try:
             self.poller.unregister(conn.sock)

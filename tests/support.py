@@ -306,8 +306,12 @@ def parse_samples(text: str) -> dict[tuple, float]:
 
 
 def scrape(server) -> dict[tuple, float]:
-    """Scrape a server's /metrics once and return its samples."""
-    response = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=5)
+    """Scrape a server's /metrics once and return its samples, with its first API key as Prometheus sends it."""
+    headers = {"Connection": "close"}
+    keys = server.env.get("API_KEYS", "")
+    if keys:
+        headers["Authorization"] = f"Bearer {keys.split(',')[0]}"
+    response = requests.get(f"{server.url}/metrics", headers=headers, timeout=5)
     assert response.status_code == 200
     return parse_samples(response.text)
 

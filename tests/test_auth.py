@@ -75,16 +75,16 @@ def test_probes_and_chat_page_are_open_without_a_key(locked_client, path):
     assert locked_client.get(path).status_code == 200
 
 
-def test_metrics_are_open_by_default(locked_client):
-    # /metrics is another module's route: open means "not refused for the key", whatever it answers.
-    assert locked_client.get("/metrics").status_code != 401
+def test_metrics_need_the_key_by_default(locked_client):
+    assert_invalid_api_key(locked_client.get("/metrics"))
+    # /metrics is another module's route: let in means "not refused for the key", whatever it answers.
+    assert locked_client.get("/metrics", headers=bearer(KEYS[1])).status_code != 401
 
 
-def test_metrics_need_the_key_when_configured(make_settings, engine):
-    settings = make_settings(max_model_len=256, api_keys=KEYS[0], metrics_require_key=True)
+def test_metrics_are_open_when_the_key_is_turned_off_for_them(make_settings, engine):
+    settings = make_settings(max_model_len=256, api_keys=KEYS[0], metrics_require_key=False)
     client = create_app(settings, engine=engine).test_client()
-    assert_invalid_api_key(client.get("/metrics"))
-    assert client.get("/metrics", headers=bearer(KEYS[0])).status_code != 401
+    assert client.get("/metrics").status_code != 401
 
 
 def preflight(client, origin: str, path: str = "/v1/chat/completions"):
