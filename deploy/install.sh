@@ -5,6 +5,9 @@
 #   deploy/install.sh                     install on this host (as root) into /opt/corechat
 #   deploy/install.sh --root DIR          install into the staging root DIR: no user, no systemctl
 #   deploy/install.sh --root DIR --no-pip also skip `pip install` (an empty virtualenv)
+#   deploy/install.sh --tls-cert FILE --tls-key FILE
+#                                         serve this certificate (chain) and key over HTTPS; without
+#                                         them a self-signed certificate is made once
 #
 # Needs python3-venv and g++ (the kernels are compiled for this CPU at install).
 # Lays out: PREFIX/app (the code), PREFIX/venv, /etc/corechat/corechat.env, the unit in
@@ -20,16 +23,25 @@ usage() {
 ROOT=""
 PREFIX=/opt/corechat
 PIP=1
+TLS_CERT=""
+TLS_KEY=""
 PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) ROOT=$(realpath -m "$2"); shift 2 ;;
         --prefix) PREFIX=$2; shift 2 ;;
         --no-pip) PIP=0; shift ;;
+        --tls-cert) TLS_CERT=$(realpath "$2"); shift 2 ;;
+        --tls-key) TLS_KEY=$(realpath "$2"); shift 2 ;;
         -h|--help) usage 0 ;;
         *) echo "install.sh: unknown argument $1" >&2; usage 2 >&2 ;;
     esac
 done
+
+if [ "${TLS_CERT:+given}" != "${TLS_KEY:+given}" ]; then
+    echo "install.sh: --tls-cert and --tls-key go together" >&2
+    exit 2
+fi
 
 SOURCE=$(cd "$(dirname "$0")/.." && pwd)
 APP="$ROOT$PREFIX/app"
@@ -103,8 +115,30 @@ REDIS_ADMIN_PASSWORD=$(redis_password admin)
 install_config "$SOURCE/deploy/corechat.env.example" /etc/corechat/corechat.env 0640 corechat
 install_config "$SOURCE/deploy/redis/corechat.conf" /etc/redis/redis-corechat.conf 0640 redis
 install_config "$SOURCE/deploy/nginx/corechat.conf" /etc/nginx/conf.d/corechat.conf 0644 root
+# nginx serves HTTPS only, from these two files: a certificate given here replaces them; without
+# one, a self-signed certificate is made once (replace it before other hosts' clients use the API).
+TLS_DIR=$ROOT/etc/corechat/tls
+if [ -n "$TLS_CERT" ]; then
+    install -d -m 0700 "$TLS_DIR"
+    install -m 0644 "$TLS_CERT" "$TLS_DIR/fullchain.pem"
+    install -m 0600 "$TLS_KEY" "$TLS_DIR/privkey.pem"
+    echo "installed the TLS certificate $TLS_CERT in /etc/corechat/tls"
+elif [ ! -e "$TLS_DIR/fullchain.pem" ]; then
+    "$SOURCE/deploy/nginx/make-tls-cert.sh" "$TLS_DIR"
+    echo "made a self-signed TLS certificate in /etc/corechat/tls: replace it with a real one (docs/deploy.md)"
+fi
 # The unit is ours, not the operator's: always the shipped one (change it with drop-ins).
 install -D -m 0644 "$SOURCE/deploy/systemd/corechat.service" "$ROOT/etc/systemd/system/corechat.service"
+# The unit lets corechat exchange packets with loopback only; ALLOWED_NETWORKS of the environment
+# file (a BIND on other interfaces) adds to that in a drop-in, rewritten by every run.
+ALLOWED=$(sed -n 's/^ALLOWED_NETWORKS=//p' "$ROOT/etc/corechat/corechat.env" | tail -n 1 | tr -d "\"'" | tr ',' ' ' | xargs)
+DROPIN=$ROOT/etc/systemd/system/corechat.service.d/allowed-networks.conf
+if [ -n "${ALLOWED// /}" ]; then
+    install -d -m 0755 "$(dirname "$DROPIN")"
+    printf '# Written by install.sh from ALLOWED_NETWORKS in /etc/corechat/corechat.env: change it there, then run install.sh.\n[Service]\nIPAddressAllow=%s\n' "$ALLOWED" > "$DROPIN"
+else
+    rm -f "$DROPIN"
+fi
 install -d -m 0755 "$ROOT/srv/corechat/model"
 
 # Debian's default nginx site also listens on port 80, as its default server: it would answer there

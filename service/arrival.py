@@ -52,6 +52,12 @@ H11_ERRORS = {
 # everything from the quoted bytes on is cut, so no header value reaches a log or a client.
 QUOTED_BYTES = re.compile(r":? ?(?:bytearray\()?b['\"].*", re.DOTALL)
 FRAMING_HEADERS = (b"content-length", b"transfer-encoding")
+# A line of the head that starts with a space or tab continues the previous one (obs-fold). h11
+# would join them; Gunicorn and nginx refuse them, and a proxy in front that does not join them
+# reads different headers (a folded Transfer-Encoding, say): refused (RFC 9112 section 5.2 allows both).
+OBS_FOLD = re.compile(rb"\n[ \t]")
+# A request line, read from the raw head only for the access log of a head h11 refused.
+REQUEST_LINE = re.compile(rb"([!-~]{1,32}) ([!-~]{1,8192}) HTTP/(\d\.\d)\r?\n")
 LEADING_EMPTY_LINES = b"\r\n"
 
 
@@ -111,6 +117,8 @@ class ArrivingRequest:
         self.body = bytearray()
         self.fed = 0
         self.head_bytes = 0
+        # The raw bytes of the head while it arrives, to find obs-fold in (at most MAX_HEAD_BYTES and a piece).
+        self.raw_head = bytearray()
         self.empty_line_bytes = 0
         # When its first byte arrived (the worker sets it): where the access log's request time starts.
         self.started_at: float | None = None
@@ -133,6 +141,8 @@ class ArrivingRequest:
             data = self._skip_empty_lines(data)
         for start in range(0, len(data), FEED_BYTES):
             piece = data[start : start + FEED_BYTES]
+            if self.request is None:
+                self.raw_head += piece
             self.framing.receive_data(piece)
             self.fed += len(piece)
             whole = self._next_events(at_eof=False)
@@ -146,6 +156,14 @@ class ArrivingRequest:
     def waits_for_continue(self) -> bool:
         """Tell whether the client waits for a 100 Continue before it sends the body, not yet sent."""
         return self.framing.they_are_waiting_for_100_continue and not self.continued
+
+    def request_line(self) -> tuple[bytes, bytes, bytes] | None:
+        """Return the method, target and HTTP version of the request, also of a head h11 refused
+        (when its first line is well formed), or None."""
+        if self.request is not None:
+            return self.request.method, self.request.target, self.request.http_version
+        match = REQUEST_LINE.match(self.raw_head)
+        return match.groups() if match else None
 
     def header(self, name: bytes) -> bytes | None:
         """Return the value of a request header (its first occurrence), or None."""
@@ -177,8 +195,8 @@ class ArrivingRequest:
                 return None
             if isinstance(event, h11.Request):
                 self.request = event
-                self._check_head(event)
                 self.head_bytes = self.fed - len(self.framing.trailing_data[0])
+                self._check_head(event)
             elif isinstance(event, h11.Data):
                 self.body += event.data
                 if len(self.body) > self.max_body_bytes:
@@ -194,6 +212,9 @@ class ArrivingRequest:
     def _check_head(self, request: h11.Request) -> None:
         """Refuse framing that is ambiguous, and a body announced larger than the limit (at once,
         before the client sends it)."""
+        if OBS_FOLD.search(self.raw_head, 0, self.head_bytes):
+            raise RefusedRequest(400, "invalid HTTP request: a header line continues onto the next (obs-fold)", MALFORMED[1])
+        self.raw_head = bytearray()
         names = {name for name, _ in request.headers}
         if b"transfer-encoding" in names:
             # RFC 9112 section 6.1: with both, a proxy in front may have framed the request by the

@@ -44,13 +44,14 @@ def render(refused: RefusedRequest, arriving: ArrivingRequest, cors_origins: fro
 
 def access_entry(arriving: ArrivingRequest, status: int, sent: int, seconds: float):
     """Return what Gunicorn's access log takes (response, request, environ, request time) for an answer of the loop."""
-    request = arriving.request
     method, target, protocol = UNKNOWN, UNKNOWN, UNKNOWN
+    line = arriving.request_line()
+    if line is not None:
+        method, target, version = (part.decode("latin-1") for part in line)
+        protocol = f"HTTP/{version}"
     headers = []
-    if request is not None:
-        method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
-        protocol = f"HTTP/{request.http_version.decode('latin-1')}"
-        headers = [(name.decode("latin-1").upper(), value.decode("latin-1")) for name, value in request.headers.raw_items()]
+    if arriving.request is not None:
+        headers = [(name.decode("latin-1").upper(), value.decode("latin-1")) for name, value in arriving.request.headers.raw_items()]
     path, _, query = target.partition("?")
     client = arriving.conn.client
     environ = {

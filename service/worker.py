@@ -451,7 +451,8 @@ class CorechatWorker(ThreadWorker):
         self.stop_waiting(conn)
         response = render(refused, arriving, self.cors_origins)
         self.send_now(conn, response)
-        if arriving.method == b"POST":
+        line = arriving.request_line()
+        if line is not None and line[0] == b"POST":
             count_refusal(refused.code)
         self.log_answer(arriving, refused.status, len(response))
         self.linger(conn)

@@ -11,6 +11,9 @@ from support import REPO, free_port
 
 DEPLOY = REPO / "deploy"
 NGINX_SITE = DEPLOY / "nginx" / "corechat.conf"
+MAKE_TLS_CERT = DEPLOY / "nginx" / "make-tls-cert.sh"
+# Where the shipped site reads its certificate, as install.sh lays it out.
+TLS_DIR = "/etc/corechat/tls"
 REDIS_CONF = DEPLOY / "redis" / "corechat.conf"
 # The placeholders of the shipped Redis config (install.sh replaces them with generated passwords).
 REDIS_CORECHAT_PASSWORD = "CHANGE-ME-corechat-redis-password"
@@ -24,22 +27,37 @@ def substitute_once(pattern: str, replacement: str, text: str) -> str:
     return result
 
 
-def render_nginx_site(upstream_ports: list[int], listen_port: int, read_timeout: str | None = None) -> str:
-    """Return the shipped nginx site with the test's upstreams, listen port and stream read timeout.
+def render_nginx_site(
+    upstream_ports: list[int], listen_port: int, read_timeout: str | None = None, *, http_port: int, tls_dir: Path,
+    text: str | None = None,
+) -> str:
+    """Return the shipped nginx site (or `text`, an installed copy of it) with the test's upstreams,
+    HTTPS and HTTP ports, certificate folder and stream read timeout.
 
     The stream route also ignores the service's `X-Accel-Buffering: no` header, so a test through it
-    shows that the config alone keeps nginx from buffering streams.
+    shows that the config alone keeps nginx from buffering streams. The HTTP redirect names the
+    test's HTTPS port, which the shipped file leaves at the default 443.
     """
-    text = NGINX_SITE.read_text()
+    text = text or NGINX_SITE.read_text()
     text = substitute_once(
         r"^(    location = /v1/chat/completions \{\n)", r"\1        proxy_ignore_headers X-Accel-Buffering;\n", text
     )
     servers = "".join(f"    server 127.0.0.1:{port} max_fails=3 fail_timeout=10s;\n" for port in upstream_ports)
     text = substitute_once(r"^    server 127\.0\.0\.1:8000 .*;\n", servers, text)
-    text = substitute_once(r"^    listen 80;$", f"    listen 127.0.0.1:{listen_port};", text)
+    text = substitute_once(r"^    listen 443 ssl;$", f"    listen 127.0.0.1:{listen_port} ssl;", text)
+    text = substitute_once(r"^    listen 80;$", f"    listen 127.0.0.1:{http_port};", text)
+    text = substitute_once(r"https://\$host\$request_uri", f"https://$host:{listen_port}$request_uri", text)
+    for name in ("fullchain.pem", "privkey.pem"):
+        text = substitute_once(re.escape(f"{TLS_DIR}/{name}"), str(tls_dir / name), text)
     if read_timeout:
         text = substitute_once(r"proxy_read_timeout \S+;", f"proxy_read_timeout {read_timeout};", text)
     return text
+
+
+def make_tls_cert(folder: Path) -> Path:
+    """Make a self-signed certificate in folder with the script install.sh uses; return the folder."""
+    subprocess.run(["bash", str(MAKE_TLS_CERT), str(folder), "localhost"], check=True, capture_output=True)
+    return folder
 
 
 def write_nginx_main(work_dir: Path, site: Path) -> Path:
@@ -70,20 +88,29 @@ def nginx_binary() -> str:
 
 
 class NginxServer:
-    """nginx on a loopback port in front of Gunicorn instances, from the shipped site config."""
+    """nginx on loopback ports in front of Gunicorn instances, from the shipped site config: HTTPS with
+    a self-signed certificate (`ca_file` is what clients must trust), and HTTP that redirects to it."""
 
     def __init__(self, work_dir: Path, upstream_ports: list[int], read_timeout: str | None = None):
         self.port = free_port()
+        self.http_port = free_port()
         self.work_dir = work_dir
+        tls_dir = make_tls_cert(work_dir / "tls")
+        self.ca_file = str(tls_dir / "fullchain.pem")
         site = work_dir / "corechat.conf"
-        site.write_text(render_nginx_site(upstream_ports, self.port, read_timeout))
+        site.write_text(render_nginx_site(upstream_ports, self.port, read_timeout, http_port=self.http_port, tls_dir=tls_dir))
         self.config = write_nginx_main(work_dir, site)
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        """Return the base URL nginx serves."""
-        return f"http://127.0.0.1:{self.port}"
+        """Return the base URL nginx serves (HTTPS)."""
+        return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Return the base URL of nginx's plain HTTP port (which only redirects)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     def start(self) -> "NginxServer":
         """Start nginx in the foreground and wait until it accepts connections."""

@@ -14,13 +14,15 @@ import requests
 from deploy_support import (
     DEPLOY,
     REDIS_ADMIN_PASSWORD,
+    TLS_DIR,
     ShippedRedis,
+    make_tls_cert,
     nginx_binary,
     render_nginx_site,
     write_nginx_main,
 )
 from service.settings import Settings
-from support import REPO, GunicornServer
+from support import REPO, GunicornServer, free_port
 
 UNIT = DEPLOY / "systemd" / "corechat.service"
 INSTALL = DEPLOY / "install.sh"
@@ -233,9 +235,15 @@ def test_install_disables_debians_default_nginx_site_and_says_so(tmp_path):
     assert "kept /etc/nginx/sites-enabled/default" in result.stderr
 
 
-def test_nginx_accepts_the_shipped_config(tmp_path):
+def test_nginx_accepts_the_site_and_certificate_install_sh_lays_out(tmp_path):
+    """`nginx -t` on the installed site, reading the self-signed certificate install.sh made (paths
+    moved into the staging root, ports onto free ones)."""
+    root = tmp_path / "root"
+    install_into(root)
+    installed = (root / "etc/nginx/conf.d/corechat.conf").read_text()
     site = tmp_path / "corechat.conf"
-    site.write_text((DEPLOY / "nginx" / "corechat.conf").read_text())
+    site.write_text(render_nginx_site([8001], free_port(), http_port=free_port(), tls_dir=root / TLS_DIR.lstrip("/"),
+                                      text=installed))
     main = write_nginx_main(tmp_path, site)
     result = subprocess.run(
         [nginx_binary(), "-t", "-c", str(main), "-e", str(tmp_path / "error.log")], capture_output=True, text=True
@@ -244,8 +252,53 @@ def test_nginx_accepts_the_shipped_config(tmp_path):
     assert "test is successful" in result.stderr
 
 
-def test_nginx_config_can_list_several_hosts():
-    site = render_nginx_site([8001, 8002], 8080, read_timeout="2s")
+def test_nginx_site_serves_tls_only_and_retries_no_post_that_reached_a_host():
+    site = (DEPLOY / "nginx" / "corechat.conf").read_text()
+    assert re.findall(r"^\s*listen (.*);$", site, flags=re.MULTILINE) == ["80", "443 ssl"]
+    assert "return 308 https://$host$request_uri;" in site
+    assert not re.search(r"^\s*proxy_next_upstream\b.*\bnon_idempotent", site, flags=re.MULTILINE)
+    assert re.search(r"^\s*limit_req zone=corechat_requests ", site, flags=re.MULTILINE)
+    assert re.search(r"^\s*limit_conn corechat_connections ", site, flags=re.MULTILINE)
+
+
+def test_install_makes_a_self_signed_certificate_once_and_installs_a_given_one(tmp_path):
+    root = tmp_path / "root"
+    first = install_into(root)
+    tls = root / TLS_DIR.lstrip("/")
+    assert "made a self-signed TLS certificate" in first.stdout
+    assert (tls / "privkey.pem").stat().st_mode & 0o777 == 0o600 and tls.stat().st_mode & 0o777 == 0o700
+    made = (tls / "fullchain.pem").read_bytes()
+    assert "made a self-signed" not in install_into(root).stdout and (tls / "fullchain.pem").read_bytes() == made
+    given = make_tls_cert(tmp_path / "given")
+    result = subprocess.run(
+        ["bash", str(INSTALL), "--root", str(root), "--no-pip",
+         "--tls-cert", str(given / "fullchain.pem"), "--tls-key", str(given / "privkey.pem")],
+        capture_output=True, text=True, check=True,
+    )
+    assert "installed the TLS certificate" in result.stdout
+    assert (tls / "fullchain.pem").read_bytes() == (given / "fullchain.pem").read_bytes()
+    assert (tls / "privkey.pem").read_bytes() == (given / "privkey.pem").read_bytes()
+
+
+def test_unit_talks_to_loopback_and_allowed_networks_only_and_dumps_no_core(tmp_path):
+    assert unit_values("IPAddressDeny") == ["any"]
+    assert unit_values("IPAddressAllow") == ["localhost"]
+    assert unit_values("LimitCORE") == ["0"]
+    root = tmp_path / "root"
+    install_into(root)
+    dropin = root / "etc/systemd/system/corechat.service.d/allowed-networks.conf"
+    assert not dropin.exists()
+    env_file = root / "etc/corechat/corechat.env"
+    env_file.write_text(env_file.read_text() + 'ALLOWED_NETWORKS="10.0.0.0/24, 192.168.1.7"\n')
+    install_into(root)
+    assert "IPAddressAllow=10.0.0.0/24 192.168.1.7\n" in dropin.read_text()
+    env_file.write_text(env_file.read_text().replace('ALLOWED_NETWORKS="10.0.0.0/24, 192.168.1.7"\n', ""))
+    install_into(root)
+    assert not dropin.exists()
+
+
+def test_nginx_config_can_list_several_hosts(tmp_path):
+    site = render_nginx_site([8001, 8002], 8080, read_timeout="2s", http_port=8081, tls_dir=tmp_path)
     assert "server 127.0.0.1:8001" in site and "server 127.0.0.1:8002" in site
     assert "least_conn;" in site
 

@@ -53,7 +53,7 @@ def test_reply_generated_on_one_host_is_a_cache_hit_on_the_other(two_hosts):
     # Through nginx, least_conn spreads requests over both hosts, and each one hits the shared cache.
     before = [served_requests(first), served_requests(second)]
     for _ in range(4):
-        through_nginx = requests.post(f"{nginx.url}/v1/chat/completions", json=CHAT, timeout=60)
+        through_nginx = requests.post(f"{nginx.url}/v1/chat/completions", json=CHAT, timeout=60, verify=nginx.ca_file)
         assert through_nginx.headers.get("X-Cache") == "hit"
         assert through_nginx.json()["choices"][0]["message"] == generated.json()["choices"][0]["message"]
     after = [served_requests(first), served_requests(second)]

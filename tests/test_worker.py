@@ -4,6 +4,8 @@ worker raise are OpenAI-shaped, and a half-closed client is not a gone one.
 """
 
 import json
+import os
+import signal
 import socket
 import statistics
 import time
@@ -12,7 +14,7 @@ import pytest
 
 from loadgen import Exchange, chat_exchange, probe_exchanges, run_exchanges
 from service.settings import Settings
-from support import COUNTING, scrape, value, wait_for_samples
+from support import COUNTING, GunicornServer, StreamingClient, cpu_ticks_by_thread, scrape, value, wait_for_samples
 
 pytestmark = pytest.mark.serial
 
@@ -131,3 +133,87 @@ def test_client_that_closes_a_non_streamed_request_frees_its_engine_slot(default
     closed_at = time.monotonic()
     wait_for_samples(default_server, lambda samples: value(samples, "corechat_requests_running") == 0, timeout=10)
     assert time.monotonic() - closed_at < 2.0
+
+
+# Above the 2 x (MAX_RUNNING + MAX_QUEUE) = 48 places of the default server.
+NEVER_READING = 60
+# A stream long enough to fill any socket buffer long before it ends.
+LONG_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "stream": True, "temperature": 0}
+
+
+def never_reading_stream(port: int) -> socket.socket:
+    """Open a streamed chat request whose client sets a small receive window and never reads."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps(LONG_STREAM).encode()
+    sock.sendall(CHAT + b"Cache-Control: no-cache\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def answered_at_once(port: int) -> list[Exchange]:
+    """Send a fresh chat request and a probe; return both once answered (they must not hang)."""
+    exchanges = [chat_exchange({"messages": COUNTING, "max_tokens": 2}), Exchange("/healthz", "GET")]
+    run_exchanges(port, exchanges, timeout=10)
+    for exchange in exchanges:
+        assert exchange.error is None, (exchange.target, exchange.error)
+    return exchanges
+
+
+def test_clients_that_never_read_lose_their_places_at_the_send_deadline(default_server):
+    """60 streams whose clients never read, above the defaults' capacity: a fresh request is served or
+    refused at once throughout, and the streams that filled their buffers are cut at
+    SEND_TIMEOUT_SECONDS, their generations cancelled and counted."""
+    before = scrape(default_server)
+    clients = [never_reading_stream(default_server.port) for _ in range(NEVER_READING)]
+    try:
+        wait_for_samples(default_server, lambda samples: value(samples, "corechat_requests_running") > 0, timeout=30)
+        chat_request, probe = answered_at_once(default_server.port)
+        assert chat_request.status in (200, 503) and probe.status == 200
+        running = 2 * DEFAULTS.max_running
+        cut = wait_for_samples(
+            default_server,
+            lambda samples: value(samples, "corechat_send_timeouts_total") - value(before, "corechat_send_timeouts_total")
+            >= running,
+            timeout=DEFAULTS.send_timeout_seconds + 60,
+        )
+        cancelled = value(cut, "corechat_requests_total", outcome="cancelled") - value(
+            before, "corechat_requests_total", outcome="cancelled")
+        assert cancelled >= running
+        chat_request, probe = answered_at_once(default_server.port)
+        assert chat_request.status in (200, 503) and probe.status == 200
+        assert "read nothing of its response" in default_server.log()
+        assert '"POST /v1/chat/completions HTTP/1.1" 503' in default_server.log()
+    finally:
+        for sock in clients:
+            sock.close()
+    wait_for_samples(
+        default_server,
+        lambda samples: value(samples, "corechat_requests_running") == value(samples, "corechat_requests_waiting") == 0,
+        timeout=60,
+    )
+
+
+def test_a_draining_worker_does_not_spin_on_a_connection_waiting_in_the_backlog(tmp_path):
+    """SIGTERM makes a worker stop listening while its stream finishes. The master's copy of the
+    listener keeps the socket open, so a connection can wait in its backlog with no one to accept it
+    (the master is stopped here, so no new worker takes it): a listener closed while still in the
+    worker's epoll woke its loop without end. One worker, to know whose CPU to read."""
+    with GunicornServer(tmp_path, workers=1) as server:
+        (worker,) = server.worker_pids()
+        stream = StreamingClient(server.url, {**LONG_STREAM, "max_tokens": 300})
+        stream.wait_for_chunks(1)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            os.kill(worker, signal.SIGTERM)
+            waiting = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            before = sum(cpu_ticks_by_thread(worker).values())
+            time.sleep(1.0)  # the measurement window
+            spent = sum(cpu_ticks_by_thread(worker).values()) - before
+            assert stream.ended.is_set() or len(stream.chunks) > 1, "the draining worker stopped streaming"
+            assert spent < 0.5 * os.sysconf("SC_CLK_TCK"), f"{spent} ticks in 1 s"
+            waiting.close()
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        stream.finish(60)
+        assert stream.done, server.log()
