@@ -128,8 +128,9 @@ class Settings(BaseSettings):
     )
     send_timeout_seconds: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="Seconds a response may wait on a client that reads none of "
-        "it (its socket buffers full): the connection is then closed, its generation cancelled and counted in "
-        "corechat_send_timeouts_total, and its place freed for the next request."
+        "it (its receive window stays closed) or acknowledges nothing: the kernel then aborts the connection "
+        "(TCP_USER_TIMEOUT), the generation is cancelled and counted in corechat_send_timeouts_total, and its "
+        "place is freed for the next request."
     )
     worker_timeout: int = Field(
         60, ge=1, description="Seconds of silence from a worker's main loop before Gunicorn restarts it; "

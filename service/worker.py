@@ -26,7 +26,6 @@ import errno
 import ipaddress
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -234,11 +233,13 @@ class CorechatWorker(ThreadWorker):
                 client_sock.close()
                 continue
             self.nr_conns += 1
-            # The send deadline is the kernel's (a send that moves nothing for this long fails with
-            # EAGAIN), not a socket timeout: Python waits for readability before every recv on a
-            # socket with a timeout, MSG_DONTWAIT or not, and the disconnect watch peeks with one.
-            seconds, fraction = divmod(self.send_seconds, 1)
-            client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(fraction * 1e6)))
+            # The send deadline is the kernel's: a connection whose data has waited this long for the
+            # client to acknowledge it, or to open a window closed by a client that reads nothing,
+            # is aborted, and the next send fails with ETIMEDOUT. A send timeout would not do: the
+            # kernel buffers megabytes of a stream before a send blocks, and Python waits for
+            # readability before every recv on a socket with a timeout (the disconnect watch peeks).
+            if client_sock.family in (socket.AF_INET, socket.AF_INET6):
+                client_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.send_seconds * 1000))
             conn = Connection(self.cfg, client_sock, client_addr, listener.getsockname())
             arriving = self.await_request(conn, time.monotonic() + self.arrival_seconds, idle=False)
             self.on_request_bytes(arriving, client_sock)
@@ -365,9 +366,9 @@ class CorechatWorker(ThreadWorker):
         """Run the app, its response sent within the send deadline.
 
         The loop already answered any Expect: 100-continue before the body came. A response whose
-        client has read none of it for SEND_TIMEOUT_SECONDS (every socket buffer full) is cut: the
-        send fails (SO_SNDTIMEO, set at accept), the connection closes, and Gunicorn closing the
-        app's iterator cancels the generation.
+        client has read none of it for SEND_TIMEOUT_SECONDS is cut: the kernel aborts the connection
+        (TCP_USER_TIMEOUT, set at accept), the next send fails, and Gunicorn closing the app's
+        iterator cancels the generation.
         """
         req._expected_100_continue = False
         # Gunicorn's max_keepalived: gthread counts its idle connections, this worker its waiting ones.
@@ -375,7 +376,9 @@ class CorechatWorker(ThreadWorker):
             req.force_close()
         try:
             return super().handle_request(req, conn)
-        except BlockingIOError:
+        except OSError as error:
+            if error.errno != errno.ETIMEDOUT:
+                raise
             conn.send_timed_out = True
             self.log.info(
                 "closed the connection of %s: it read nothing of its response for %g seconds (SEND_TIMEOUT_SECONDS)",
@@ -433,9 +436,7 @@ class CorechatWorker(ThreadWorker):
         except Exception:
             keepalive = False
         if conn.send_timed_out:
-            # Its buffers hold a response the client does not read: reset the connection, so the
-            # kernel does not keep trying to deliver it either.
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            # The kernel has aborted it: nothing left to linger for.
             self.close(conn)
         elif keepalive:
             idle_seconds = self.cfg.keepalive if self.alive else min(self.cfg.keepalive, STOP_KEEPALIVE_LINGER)
