@@ -152,29 +152,62 @@ def test_keys_are_hidden_in_the_settings_repr(make_settings):
     assert KEYS[0] not in repr(make_settings(api_keys=KEYS[0]))
 
 
-def test_keys_over_real_gunicorn_and_never_in_its_log(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def keyed_gunicorn(tiny_model_dir, tmp_path_factory):
+    """Run one Gunicorn worker that needs a key, allows one origin and has two request places."""
     from support import GunicornServer
 
-    server = GunicornServer(
-        tmp_path, workers=1, api_keys=",".join(KEYS),
-        cors_origins=ALLOWED_ORIGIN,
-    )
-    server.start()
-    try:
-        url = f"{server.url}/v1/chat/completions"
-        body = {"messages": USER, "max_tokens": 3, "stream": True}
-        refused = requests.post(url, json=body, headers=bearer("sk-not-a-key-42"), timeout=30)
-        assert refused.status_code == 401
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-        with requests.post(url, json=body, headers=bearer(KEYS[1]), stream=True, timeout=60) as accepted:
-            assert accepted.status_code == 200
-            assert accepted.text.rstrip().endswith("data: [DONE]")
-        assert requests.get(f"{server.url}/healthz", timeout=10).status_code == 200
-        assert requests.options(
-            url, headers={"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST"}, timeout=10
-        ).status_code == 204
-    finally:
-        server.stop()
-    log = server.log()
+    with GunicornServer(
+        tmp_path_factory.mktemp("keyed"), workers=1, api_keys=",".join(KEYS), cors_origins=ALLOWED_ORIGIN,
+        max_running=1, max_queue=1, max_tokens_limit=32000,
+    ) as server:
+        yield server
+
+
+def test_keys_over_real_gunicorn_and_never_in_its_log(keyed_gunicorn):
+    server = keyed_gunicorn
+    url = f"{server.url}/v1/chat/completions"
+    body = {"messages": USER, "max_tokens": 3, "stream": True}
+    refused = requests.post(url, json=body, headers=bearer("sk-not-a-key-42"), timeout=30)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    with requests.post(url, json=body, headers=bearer(KEYS[1]), stream=True, timeout=60) as accepted:
+        assert accepted.status_code == 200
+        assert accepted.text.rstrip().endswith("data: [DONE]")
+    assert requests.get(f"{server.url}/healthz", timeout=10).status_code == 200
+    assert requests.options(
+        url, headers={"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST"}, timeout=10
+    ).status_code == 204
+    log = server.log_path.read_text(errors="replace")
     assert "POST /v1/chat/completions" in log
     assert not any(secret in log for secret in (*KEYS, "sk-not-a-key-42"))
+
+
+def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_gunicorn):
+    """The event loop refuses a request beyond the places before the app (and its CORS hook) sees
+    it: the refusal carries the CORS headers itself."""
+    from support import StreamingClient
+
+    endless = {"messages": USER, "max_tokens": 30000, "stream": True}
+    holders = [StreamingClient(keyed_gunicorn.url, endless, headers=bearer(KEYS[0])) for _ in range(2)]
+    try:
+        for holder in holders:
+            holder.wait_for_headers()
+        refused = requests.post(f"{keyed_gunicorn.url}/v1/chat/completions", json=endless, timeout=30,
+                                headers={**bearer(KEYS[0]), "Origin": ALLOWED_ORIGIN})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+        assert refused.headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+        assert "Retry-After" in refused.headers["Access-Control-Expose-Headers"] and refused.headers["Retry-After"]
+        assert refused.headers["Vary"] == "Origin"
+        assert refused.headers["X-Content-Type-Options"] == "nosniff" and refused.headers["Cache-Control"] == "no-store"
+    finally:
+        for holder in holders:
+            holder.hang_up()
+
+
+def test_json_replies_tell_browsers_not_to_sniff_or_store_them(locked_client):
+    response = locked_client.get("/v1/models", headers=bearer(KEYS[0]))
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert response.headers["Cache-Control"] == "no-store"
+    refused = locked_client.get("/v1/models")
+    assert refused.status_code == 401 and refused.headers["Cache-Control"] == "no-store"

@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
