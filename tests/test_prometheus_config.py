@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 import yaml
-from support import REPO, chat, free_port, scrape
+from support import REPO, TEST_API_KEY, chat, free_port, scrape
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"
@@ -36,8 +36,21 @@ def recorded_names() -> set[str]:
     return {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
 
 
-def test_scrape_config_and_rules_pass_promtool():
-    checked = promtool("check", "config", str(CONFIG))
+def config_with_key_file(tmp_path, key: str) -> dict:
+    """Return the shipped config with its credentials file moved to tmp_path, holding key."""
+    config = yaml.safe_load(CONFIG.read_text())
+    (job,) = config["scrape_configs"]
+    assert job["authorization"]["credentials_file"] == "/etc/prometheus/corechat-api-key"
+    key_file = tmp_path / "corechat-api-key"
+    key_file.write_text(key)
+    job["authorization"]["credentials_file"] = str(key_file)
+    return config
+
+
+def test_scrape_config_and_rules_pass_promtool(tmp_path):
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump({**config_with_key_file(tmp_path, TEST_API_KEY), "rule_files": [str(RULES)]}))
+    checked = promtool("check", "config", str(config_path))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     checked = promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -55,14 +68,15 @@ def test_rules_and_dashboard_reference_only_metrics_that_exist(gunicorn_server):
 
 
 @pytest.fixture()
-def prometheus(gunicorn_server, tmp_path):
-    """Run a real Prometheus on loopback with the shipped config, pointed at the test service."""
-    config = yaml.safe_load(CONFIG.read_text())
+def prometheus(keyed_server, tmp_path):
+    """Run a real Prometheus on loopback with the shipped config, pointed at a test service that
+    needs a key (on /metrics too, by default), which Prometheus reads from its credentials file."""
+    config = config_with_key_file(tmp_path, TEST_API_KEY)
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(RULES)]
     (job,) = config["scrape_configs"]
     job.update(scrape_timeout="1s")
-    job["static_configs"] = [{"targets": [gunicorn_server.url.removeprefix("http://")]}]
+    job["static_configs"] = [{"targets": [keyed_server.url.removeprefix("http://")]}]
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -88,7 +102,7 @@ def query(prometheus_url: str, promql: str) -> list[dict]:
     return response.json()["data"]["result"]
 
 
-def test_real_prometheus_scrapes_the_service_with_the_shipped_config(prometheus, gunicorn_server):
+def test_real_prometheus_scrapes_the_service_with_the_shipped_config_and_key(prometheus, keyed_server):
     deadline = time.monotonic() + 60
     ready, recorded = [], []
     while time.monotonic() < deadline and not (ready and recorded):
@@ -99,6 +113,6 @@ def test_real_prometheus_scrapes_the_service_with_the_shipped_config(prometheus,
             pass  # Prometheus is still starting
         time.sleep(0.5)
     assert ready, "Prometheus never stored a corechat series"
-    assert float(ready[0]["value"][1]) == gunicorn_server.workers
+    assert float(ready[0]["value"][1]) == keyed_server.workers
     assert recorded, "the shipped recording rules never ran"
     assert float(recorded[0]["value"][1]) == 0
