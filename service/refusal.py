@@ -52,6 +52,7 @@ def access_entry(arriving: ArrivingRequest, status: int, sent: int, seconds: flo
     headers = []
     if arriving.request is not None:
         headers = [(name.decode("latin-1").upper(), value.decode("latin-1")) for name, value in arriving.request.headers.raw_items()]
+    named = dict(headers)
     path, _, query = target.partition("?")
     client = arriving.conn.client
     environ = {
@@ -61,8 +62,8 @@ def access_entry(arriving: ArrivingRequest, status: int, sent: int, seconds: flo
         "QUERY_STRING": query,
         "SERVER_PROTOCOL": protocol,
         "REMOTE_ADDR": client[0] if isinstance(client, tuple) else str(client or UNKNOWN),
-        "HTTP_USER_AGENT": dict(headers).get("USER-AGENT", UNKNOWN),
-        "HTTP_REFERER": dict(headers).get("REFERER", UNKNOWN),
+        "HTTP_USER_AGENT": named.get("USER-AGENT", UNKNOWN),
+        "HTTP_REFERER": named.get("REFERER", UNKNOWN),
     }
     response = LoggedResponse(f"{status} {HTTPStatus(status).phrase}", sent)
     return response, LoggedRequest(headers), environ, timedelta(seconds=seconds)

@@ -82,13 +82,6 @@ def count_send_timeout() -> None:
     send_timeouts_total.inc()
 
 
-def is_loopback(client) -> bool:
-    """Tell whether a peer address is loopback (or a Unix socket, which has no address)."""
-    if not isinstance(client, tuple):
-        return True
-    return ipaddress.ip_address(client[0].partition("%")[0]).is_loopback
-
-
 class CorechatWorker(ThreadWorker):
     """gthread, with whole requests read in the event loop and accepting deferred until the engine is ready."""
 
@@ -245,11 +238,13 @@ class CorechatWorker(ThreadWorker):
             self.on_request_bytes(arriving, client_sock)
 
     def peer_allowed(self, client) -> bool:
-        """Tell whether a peer may connect: loopback, or an address in ALLOWED_NETWORKS."""
-        if is_loopback(client):
+        """Tell whether a peer may connect: loopback (or a Unix socket, which has no address), or an
+        address in ALLOWED_NETWORKS (an IPv4 peer of a dual-stack listener by its IPv4 address)."""
+        if not isinstance(client, tuple):
             return True
         address = ipaddress.ip_address(client[0].partition("%")[0])
-        return any(address in network for network in self.allowed_networks)
+        address = getattr(address, "ipv4_mapped", None) or address
+        return address.is_loopback or any(address in network for network in self.allowed_networks)
 
     def await_request(self, conn: Connection, deadline: float, *, idle: bool, leftover: bytes = b"") -> ArrivingRequest:
         """Read the connection's next request in the loop, starting from bytes already received."""
@@ -329,6 +324,8 @@ class CorechatWorker(ThreadWorker):
             self.free_places -= 1
             conn.holds_place = True
         self.stop_waiting(conn)
+        # What the access log may still need of the request is its head; its body went into `whole`.
+        arriving.body.clear()
         conn.parser = http.get_parser(self.cfg, [whole.head, whole.body] if whole.body else [whole.head], conn.client)
         conn.leftover = whole.leftover
         conn.arrived = arriving
