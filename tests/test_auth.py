@@ -1,5 +1,7 @@
 """Access control: API keys and CORS, through Flask's test client and once through real Gunicorn."""
 
+import socket
+
 import pydantic
 import pytest
 import requests
@@ -200,6 +202,11 @@ def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_
         assert "Retry-After" in refused.headers["Access-Control-Expose-Headers"] and refused.headers["Retry-After"]
         assert refused.headers["Vary"] == "Origin"
         assert refused.headers["X-Content-Type-Options"] == "nosniff" and refused.headers["Cache-Control"] == "no-store"
+        # A client that waits for `100 Continue` before its body gets the refusal instead, uploading nothing.
+        with socket.create_connection(("127.0.0.1", keyed_gunicorn.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer %s\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n" % KEYS[0].encode())
+            assert sock.recv(12) == b"HTTP/1.1 503"
     finally:
         for holder in holders:
             holder.hang_up()

@@ -219,6 +219,8 @@ REFUSED = {
         post(b"Transfer-Encoding: chunked\r\n", chunked(*[b"x"] * DEFAULTS.max_request_bytes)), 413,
     ),
     "a chunk extension of 60 KB": (post(b"Transfer-Encoding: chunked\r\n", chunked(b"hello", extension=b";" + b"e" * 60_000)), 413),
+    "a head over 64 KiB": (post(b"".join(b"X-Field-%d: %s\r\n" % (i, b"h" * 7000) for i in range(10)) + b"Content-Length: 0\r\n", b""), 431),
+    "only empty lines, more than 64 KiB of them": (b"\r\n" * 40_000 + post(b"Content-Length: 0\r\n", b""), 400),
     "a body over the size limit, chunked": (
         post(b"Transfer-Encoding: chunked\r\n", chunked(*[b"y" * 65536] * (DEFAULTS.max_request_bytes // 65536 + 1))), 413,
     ),
@@ -258,6 +260,17 @@ def test_empty_lines_before_a_kept_alive_request_are_ignored(server):
     last = b"GET /healthz HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
     replies = parse_replies(exchange(server.port, b"\r\n" + first + b"\r\n" + first + b"\n\r\n" + last))
     assert [reply.status for reply in replies] == [200, 200, 200]
+
+
+def test_a_body_the_app_refuses_unread_costs_no_drain_and_the_connection_serves_on(server):
+    """A 415 leaves a 1 MiB body unread by the app; the loop has read it to its end, so the next
+    pipelined request is answered at once, without Gunicorn draining the body again."""
+    body = b"x" * DEFAULTS.max_request_bytes
+    refused = b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: text/plain\r\n" \
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    last = b"GET /healthz HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    replies = parse_replies(exchange(server.port, refused + refused + last))
+    assert [reply.status for reply in replies] == [415, 415, 200]
 
 
 def test_a_key_in_a_malformed_header_never_reaches_the_log_or_the_client(server):
