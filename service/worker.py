@@ -123,9 +123,13 @@ class CorechatWorker(ThreadWorker):
         until the worker exited and then got a reset. Closed here, new connections are refused at
         once and go to another worker, host or (during a reload) the new master's workers, while the
         requests in flight finish within graceful_timeout.
+
+        The socket itself is closed, not Gunicorn's wrapper (which would drop it): an accept the
+        loop had already polled for then fails with EBADF, which accept() expects, instead of
+        crashing the worker and cutting its streams.
         """
         for listener in self.sockets:
-            listener.close()
+            listener.sock.close()
         super().handle_exit(sig, frame)
 
     # The event loop --------------------------------------------------------------------------
