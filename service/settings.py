@@ -181,8 +181,10 @@ class Settings(BaseSettings):
     # Metrics
     prometheus_multiproc_dir: str = Field(
         "", description="Folder where the workers share their metric values (prometheus_client's "
-        "multiprocess mode); emptied when Gunicorn starts. gunicorn.conf.py defaults it to a folder "
-        "per master under the temp dir; empty outside Gunicorn: /metrics serves this process alone."
+        "multiprocess mode); emptied when Gunicorn starts (under service.supervisor, which runs two "
+        "masters on it during a reload, when the supervisor starts). gunicorn.conf.py defaults it to a "
+        "folder per master under the temp dir, the supervisor to one of its own; empty outside Gunicorn: "
+        "/metrics serves this process alone."
     )
 
     # Limits

@@ -343,10 +343,14 @@ def table(rows: list[Row], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe_run(source: Path, seconds: float, systemd_version: str) -> str:
+def source_commit(source: Path) -> str:
+    """Name the commit of the source tree (dirty: with changes not committed)."""
+    return subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True,
+                          text=True).stdout.strip() or "not a git tree"
+
+
+def describe_run(commit: str, seconds: float, systemd_version: str) -> str:
     """Say when, where and on what this ran."""
-    commit = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip() or "not a git tree"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return (f"`make test-deploy` on {time.strftime('%Y-%m-%d')}, commit {commit}, {cpu}, "
@@ -357,7 +361,10 @@ def main() -> int:
     """Build, boot, install, check, print the table, and power the machine off whatever happened."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, default=REPO, help="the source tree to install (default: this one)")
+    parser.add_argument("--results", type=Path, help=f"where to write the table (default {RESULTS.relative_to(REPO)} "
+                        "when the source is this tree)")
     args = parser.parse_args()
+    commit = source_commit(args.source)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     started = time.time()
     base = base_system()
@@ -373,10 +380,11 @@ def main() -> int:
             journal = machine.run("journalctl -u corechat -o short-monotonic --no-pager", check=False).stdout
             (Path(tempfile.gettempdir()) / "corechat-deploy-test-journal.txt").write_text(journal)
         machine.poweroff()
-    output = table(rows, describe_run(args.source, time.time() - started, systemd_version))
+    output = table(rows, describe_run(commit, time.time() - started, systemd_version))
     print(output)
-    if args.source.resolve() == REPO:
-        RESULTS.write_text(output)
+    results = args.results or (RESULTS if args.source.resolve() == REPO else None)
+    if results:
+        results.write_text(output)
     return 0 if all(row.held for row in rows) else 1
 
 
