@@ -7,9 +7,7 @@ systemd always supervises a process it started and sees every exit, stop and cra
 master that USR2 starts is not systemd's child, and systemd neither drains it on stop nor notices
 its end. The supervisor imports neither torch nor Flask, and reads /proc of its own children only.
 
-- It binds BIND once and puts the socket in systemd's file descriptor store (FDSTORE=1), which hands
-  it back to the next start (LISTEN_FDS) when the unit restarts: meanwhile connections wait in the
-  kernel's backlog, none is refused.
+- It listens on BIND through a socket systemd keeps across restarts (service/listener.py).
 - It runs a Gunicorn master as its child on that socket and tells systemd READY=1 once all of its
   workers are ready (each accepts connections only once its model is loaded and warmed up).
 - A reload (`python -m service.reload`, over the control socket) starts a second master on the same
@@ -41,9 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gunicorn.util import is_ipv6, parse_address
-
 from . import systemd
+from .listener import STORED_SOCKET_NAME, listening_socket
 from .multiproc import empty_multiproc_dir, worker_reported_ready
 from .settings import Settings, get_settings
 
@@ -52,10 +49,6 @@ log = logging.getLogger("corechat.supervisor")
 DEFAULT_CONTROL_SOCKET = "/run/corechat/supervisor.sock"
 # The signal systemd sends for a restart (the unit's RestartKillSignal=), told apart from a stop's TERM.
 RESTART_SIGNAL = signal.SIGUSR1
-# The listening socket's name in systemd's file descriptor store.
-STORED_SOCKET_NAME = "corechat-listen"
-# Gunicorn's default: the connections the kernel holds while no worker accepts (during a restart).
-BACKLOG = 2048
 # The unit's TimeoutStartSec bounds a reload; this leaves room in it for the old master's drain.
 DEFAULT_READY_TIMEOUT_SECONDS = 240.0
 POLL_SECONDS = 0.2
@@ -81,62 +74,6 @@ def exit_description(status: int) -> str:
     """Describe a wait status in words: "exit status 3" or "killed by SIGKILL"."""
     code = os.waitstatus_to_exitcode(status)
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-
-
-def listening_socket(bind: str) -> socket.socket:
-    """Return the socket to serve BIND on: the one systemd kept in its store if it still fits, else a
-    new one, which goes into the store."""
-    passed = systemd.passed_sockets()
-    stored = passed.pop(STORED_SOCKET_NAME, [])
-    for name, sockets in passed.items():
-        log.warning("closing %d descriptor(s) named %r that systemd passed: not corechat's", len(sockets), name)
-        for sock in sockets:
-            sock.close()
-    address = parse_address(bind)
-    kept = next((sock for sock in stored if serves_address(sock, address)), None)
-    for sock in stored:
-        if sock is not kept:
-            sock.close()
-    if kept:
-        log.info("listening on %s, the socket systemd kept across the restart", bind)
-        return kept
-    if stored:
-        log.info("BIND changed to %s: replacing the socket systemd kept", bind)
-        systemd.notify(f"FDSTOREREMOVE=1\nFDNAME={STORED_SOCKET_NAME}")
-    sock = bind_socket(address)
-    systemd.notify(f"FDSTORE=1\nFDNAME={STORED_SOCKET_NAME}", (sock.fileno(),))
-    log.info("listening on %s", bind)
-    return sock
-
-
-def serves_address(sock: socket.socket, address) -> bool:
-    """Tell whether a listening socket is bound where BIND asks."""
-    if isinstance(address, str):
-        try:
-            return sock.family == socket.AF_UNIX and sock.getsockname() == address and \
-                stat.S_ISSOCK(os.stat(address).st_mode)
-        except OSError:
-            return False
-    host, port = address
-    family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
-    wanted = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
-    return sock.family == family and sock.getsockname()[:2] == wanted[:2]
-
-
-def bind_socket(address) -> socket.socket:
-    """Bind and listen on a TCP address (host, port) or a unix socket path."""
-    if isinstance(address, int):
-        raise SystemExit("BIND=fd://N is not for the supervisor: it binds BIND itself and systemd keeps the socket")
-    if isinstance(address, str):
-        if os.path.exists(address) and stat.S_ISSOCK(os.stat(address).st_mode):
-            os.unlink(address)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    else:
-        sock = socket.socket(socket.AF_INET6 if is_ipv6(address[0]) else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.listen(BACKLOG)
-    return sock
 
 
 def raise_open_files_limit(wanted: int) -> None:
@@ -370,8 +307,11 @@ class Supervisor:
             refusal = f"a reload is already under way (new master {self.reload.successor}); retry once it ends"
         if refusal:
             log.warning("refused a %r request: %s", request, refusal)
-            client.sendall(f"failed: {refusal}\n".encode())
-            client.close()
+            with client:
+                try:
+                    client.sendall(f"failed: {refusal}\n".encode())
+                except OSError:
+                    pass
             return
         successor = self.start_master()
         self.reload = Reload(client, successor, time.monotonic() + self.ready_timeout)

@@ -20,13 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from service.supervisor import (
-    DEFAULT_READY_TIMEOUT_SECONDS,
-    RESTART_SIGNAL,
-    STORED_SOCKET_NAME,
-    children,
-    raise_open_files_limit,
-)
+from service.listener import STORED_SOCKET_NAME
+from service.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL, children, raise_open_files_limit
 from support import COUNTING, REPO, GunicornServer, scrape, value, wait_until
 
 pytestmark = pytest.mark.serial

@@ -339,7 +339,7 @@ def checks(machine: Machine) -> list[Row]:
 def table(rows: list[Row], header: str) -> str:
     """Render the rows as a markdown table under a header."""
     lines = [header, "", "| Check | Held | Measured |", "|---|---|---|"]
-    lines += [f"| {row.check} | {'yes' if row.held else '**NO**'} | {row.measured.replace('|', '/')} |" for row in rows]
+    lines += [f"| {row.check} | {'yes' if row.held else '**NO**'} | {' '.join(row.measured.replace('|', '/').split())} |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
