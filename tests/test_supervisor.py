@@ -166,7 +166,7 @@ class Traffic:
         while not self.stopping.is_set():
             result = {"kind": kind, "began": time.monotonic()}
             try:
-                with requests.post(f"{self.url}/v1/chat/completions", json=body, stream=True, timeout=60,
+                with requests.post(f"{self.url}/v1/chat/completions", json=body, stream=True, timeout=180,
                                    headers={"Connection": "close", "Cache-Control": "no-cache"}) as response:
                     result["waited"] = time.monotonic() - result["began"]
                     result["status"] = response.status_code
