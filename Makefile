@@ -11,7 +11,7 @@ SYSTEM_PACKAGES := $(shell cat .ci/system-packages.txt)
 BUILD_PACKAGES := g++
 KERNEL_SOURCES := $(wildcard service/engine/kernels/csrc/*) service/engine/kernels/__init__.py
 
-.PHONY: setup system-deps build-deps install-packages serve demo-model test bench bench-quick clean
+.PHONY: setup system-deps build-deps install-packages serve demo-model test test-deploy bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ serve: demo-model
 test: system-deps setup
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial
+
+# The shipped unit under a real systemd: boots Debian 12 in systemd-nspawn, installs with
+# deploy/install.sh and checks reload, restart and stop under traffic (root; minutes, and a few more
+# the first time, which builds the base system and the wheels under ~/.cache/corechat). Not part of
+# `make test`: see docs/deploy.md.
+test-deploy:
+	@$(MAKE) --no-print-directory install-packages PACKAGES="debootstrap systemd-container"
+	python3 deploy/test/run.py
 
 # The benchmark beside llama.cpp's llama-server (minutes; builds the 0.5B dev model and llama.cpp
 # once under ~/.cache/corechat, about 10 minutes the first time); see docs/performance.md.

