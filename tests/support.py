@@ -402,13 +402,21 @@ class StreamingClient:
 
     def hang_up(self) -> None:
         """Close the connection at the next chunk, as a client that goes away does, and wait for it."""
-        self._hang_up.set()
-        assert self.ended.wait(120)
+        hang_up_all([self])
 
     def finish(self, timeout: float = 300) -> "StreamingClient":
         """Wait for the stream to end."""
         assert self.ended.wait(timeout), "the stream did not end"
         return self
+
+
+def hang_up_all(clients: list[StreamingClient]) -> None:
+    """Hang up every client at its next chunk, then wait for all: a queued stream's next chunk comes
+    only once the one ahead of it is gone, so waiting for each in turn could wait on the queued one."""
+    for client in clients:
+        client._hang_up.set()
+    for client in clients:
+        assert client.ended.wait(120), "a hung-up stream did not end"
 
 
 def threads_of(pid: int) -> list[int]:

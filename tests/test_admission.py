@@ -56,14 +56,15 @@ def test_three_times_capacity_is_served_or_refused_at_once_and_probes_stay_fast(
 
     refusal_seconds = [exchange.seconds_to_status for exchange in refused]
     assert statistics.median(refusal_seconds) < FAST_SECONDS, sorted(refusal_seconds)
-    for target in PROBES:
-        answered = [exchange for exchange in probes if exchange.target == target]
-        assert all(exchange.status == 200 for exchange in answered), [exchange.status for exchange in answered]
-        seconds = [exchange.seconds_to_status for exchange in answered]
-        assert statistics.median(seconds) < FAST_SECONDS, (target, sorted(seconds))
-    # The probes ran while the engines were busy, not after.
+    assert all(exchange.status == 200 for exchange in probes), sorted({exchange.status for exchange in probes})
+    # Judged on the probes answered while the engines were still generating, not after (how many
+    # those are depends on how fast this CPU decodes the streams).
     last_stream_end = max(exchange.ended_at for exchange in served)
-    assert sum(exchange.ended_at < last_stream_end for exchange in probes) >= len(probes) // 2
+    for target in PROBES:
+        busy = [exchange.seconds_to_status for exchange in probes
+                if exchange.target == target and exchange.ended_at < last_stream_end]
+        assert len(busy) >= 3, (target, len(busy))
+        assert statistics.median(busy) < FAST_SECONDS, (target, sorted(busy))
 
     wait_for_samples(
         default_server,

@@ -188,7 +188,7 @@ def test_keys_over_real_gunicorn_and_never_in_its_log(keyed_gunicorn):
 def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_gunicorn):
     """The event loop refuses a request beyond the places before the app (and its CORS hook) sees
     it: the refusal carries the CORS headers itself."""
-    from support import StreamingClient
+    from support import StreamingClient, hang_up_all
 
     endless = {"messages": USER, "max_tokens": 30000, "stream": True}
     holders = [StreamingClient(keyed_gunicorn.url, endless, headers=bearer(KEYS[0])) for _ in range(2)]
@@ -208,8 +208,7 @@ def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_
                          b"Authorization: Bearer %s\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n" % KEYS[0].encode())
             assert sock.recv(12) == b"HTTP/1.1 503"
     finally:
-        for holder in holders:
-            holder.hang_up()
+        hang_up_all(holders)
 
 
 def test_json_replies_tell_browsers_not_to_sniff_or_store_them(locked_client):
