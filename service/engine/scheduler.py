@@ -35,6 +35,26 @@ def chunk_tokens(most: int, stall_seconds: float, seconds_per_token: float | Non
     return max(min(most, MIN_CHUNK_TOKENS), int(min(most, stall_seconds / seconds_per_token)))
 
 
+def prompt_shares(budget: int, remaining: list[int]) -> list[int]:
+    """Split a step's prompt budget among prompts (oldest first) by shortest remaining first.
+
+    The oldest prompt is served first with at least min(its remaining, MIN_CHUNK_TOKENS), so it
+    always advances; the rest of the budget goes to the prompts with the fewest tokens left.
+    """
+    shares = [0] * len(remaining)
+    if not remaining:
+        return shares
+    shares[0] = min(remaining[0], MIN_CHUNK_TOKENS, budget)
+    budget -= shares[0]
+    for index in sorted(range(len(remaining)), key=lambda index: (remaining[index], index)):
+        if budget <= 0:
+            break
+        more = min(budget, remaining[index] - shares[index])
+        shares[index] += more
+        budget -= more
+    return shares
+
+
 @dataclass
 class _Sequence:
     """The engine's state for one running generation."""
@@ -207,32 +227,69 @@ class Scheduler:
     # Prompt chunks --------------------------------------------------------------------------
 
     def _prefill_some(self, active: list[_Sequence], prefilling: list[_Sequence], batch: DecodeBatch) -> None:
-        """Process prompt tokens, oldest prompt first, in chunks of PREFILL_CHUNK_TOKENS, cut shorter
-        while streams decode so that they wait about PREFILL_STALL_SECONDS at most.
+        """Share one step's prompt budget among the prompts in their pass, shortest remaining first.
 
-        Prompts that are done join the batch. A long prompt arriving so slows the running streams'
-        tokens down instead of stopping them. Where a prompt is cut never changes its logits (the
-        kernels compute each row alone: tests/test_batch_invariance.py).
+        The budget is PREFILL_CHUNK_TOKENS, cut shorter while streams decode so that they wait
+        about PREFILL_STALL_SECONDS at most. A short question behind a long pasted document gets
+        its first token after its own few tokens, not after the document; the oldest prompt still
+        takes at least MIN_CHUNK_TOKENS of every step, so a stream of short prompts cannot stop it.
+        Prompts whose client left or whose deadline passed end first, wherever they stand. Prompts
+        that are done join the batch. Where a prompt is cut never changes its logits (the kernels
+        compute each row alone: tests/test_batch_invariance.py).
         """
-        chunk = self.settings.prefill_chunk_tokens
+        self._end_given_up_prompts(prefilling)
+        if not prefilling:
+            return
+        budget = self.settings.prefill_chunk_tokens
         if active and self._thread_seconds_per_prompt_token is not None:
             seconds_per_token = self._thread_seconds_per_prompt_token / self.cores.threads
-            chunk = chunk_tokens(chunk, self.settings.prefill_stall_seconds, seconds_per_token)
-        budget, joining = chunk, []
-        while prefilling and budget > 0:
-            sequence = prefilling[0]
-            take = min(budget, len(sequence.next_input))
-            budget -= take
-            goes_on = self._prefill(sequence, take)
+            budget = chunk_tokens(budget, self.settings.prefill_stall_seconds, seconds_per_token)
+        shares = prompt_shares(budget, [len(sequence.next_input) for sequence in prefilling])
+        began, tokens, joining, done = time.monotonic(), 0, [], []
+        for sequence, share in zip(list(prefilling), shares, strict=True):
+            if not share:
+                continue
+            tokens += share
+            goes_on = self._prefill(sequence, share)
             if goes_on is not None:
-                prefilling.pop(0)
+                done.append(sequence)
                 if goes_on:
                     joining.append(sequence)
+        if tokens:
+            # Measured over the whole step: several prompts' pieces, each reading every weight once.
+            self._thread_seconds_per_prompt_token = (time.monotonic() - began) * self.cores.threads / tokens
+        prefilling[:] = [sequence for sequence in prefilling if not any(sequence is ended for ended in done)]
         if joining:
+            self._join(active, batch, joining)
+
+    def _end_given_up_prompts(self, prefilling: list[_Sequence]) -> None:
+        """End prompts in their pass whose client left or whose deadline passed, freeing their place and KV."""
+        now = time.monotonic()
+        given_up = [sequence for sequence in prefilling if sequence.generation.cancelled or now >= sequence.deadline]
+        if not given_up:
+            return
+        prefilling[:] = [sequence for sequence in prefilling if not any(sequence is ended for ended in given_up)]
+        # The place is free before the last event goes out: a client that saw it end may submit again.
+        self.running -= len(given_up)
+        for sequence in given_up:
+            self._finish(sequence, "cancelled" if sequence.generation.cancelled else "length")
+
+    def _join(self, active: list[_Sequence], batch: DecodeBatch, joining: list[_Sequence]) -> None:
+        """Move sequences whose prompt pass is done into the decode batch.
+
+        A join that fails (most likely out of memory) leaves the batch as it was; the joining
+        sequences already sent their first token, so each ends with an error event.
+        """
+        try:
             batch.join([sequence.cache for sequence in joining])
-            active.extend(joining)
+        except Exception as exc:
+            log.exception("joining the decode batch failed")
             for sequence in joining:
-                sequence.cache = None  # the batch holds its KV state now
+                sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return
+        active.extend(joining)
+        for sequence in joining:
+            sequence.cache = None  # the batch holds its KV state now
 
     def _forced_reply_ended(self, sequence: _Sequence) -> bool:
         """Finish a continuation whose forced tokens already end the reply (max_tokens or a stop string)."""
@@ -267,7 +324,6 @@ class Scheduler:
                     mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
             elapsed = time.monotonic() - began
             sequence.prompt_seconds += elapsed
-            self._thread_seconds_per_prompt_token = elapsed * self.cores.threads / max(1, len(chunk))
             log.debug("prompt chunk: %d tokens in %.3f s on %d threads", len(chunk), elapsed, self.cores.threads)
             if sequence.next_input:
                 return None
