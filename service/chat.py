@@ -27,7 +27,7 @@ from .engine import (
 )
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
-from .protocol import AssistantMessage, ChatCompletion, Choice, Usage
+from .protocol import AssistantMessage, ChatCompletion, Choice, PromptTokensDetails, Usage
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
@@ -236,6 +236,9 @@ class ChatCompletions:
             prompt_tokens=finished.prompt_tokens,
             completion_tokens=finished.completion_tokens,
             total_tokens=finished.prompt_tokens + finished.completion_tokens,
+            # A reply the response cache replays computed none of its prompt.
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=finished.prompt_tokens if finished.cached else finished.cached_prompt_tokens),
         )
 
     def stream(self, prepared: PreparedChat, source: EventSource):

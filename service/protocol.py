@@ -38,12 +38,20 @@ class _Response(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    """How the prompt's tokens were processed."""
+
+    # Prompt tokens whose KV state came from the host's prefix store instead of a prompt pass.
+    cached_tokens: Count
+
+
 class Usage(_Response):
     """The tokens a completion took."""
 
     prompt_tokens: Count
     completion_tokens: Count
     total_tokens: Count
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(_Response):

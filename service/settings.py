@@ -6,6 +6,7 @@ it decides whether to import torch at all (PRELOAD_LIBRARIES).
 
 import ipaddress
 import os
+import tempfile
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
@@ -210,9 +211,14 @@ class Settings(BaseSettings):
 
     # Performance
     prefix_cache_mb: int = Field(
-        256, ge=0, description="Memory per worker for the KV state of recent prompts, reused when a new "
-        "prompt starts with one of them (a shared system prompt, a conversation's earlier turns); 0 turns "
-        "prefix reuse off.",
+        1024, ge=0, description="Memory of the host for the KV state of recent prompts and replies, shared by "
+        "every worker, reused when a new prompt starts with one of them (a shared system prompt, a "
+        "conversation's earlier turns and replies, whichever worker answered them); 0 turns prefix reuse off.",
+    )
+    prefix_cache_dir: str = Field(
+        "", description="Folder, on tmpfs, where the workers keep that KV state (PREFIX_CACHE_MB for the "
+        "whole folder); it must be this user's alone. Empty means /dev/shm/corechat-prefixes-<uid>; "
+        "the systemd unit sets /run/corechat/prefixes.",
     )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
@@ -224,7 +230,7 @@ class Settings(BaseSettings):
         "CPU and cannot be written (`make setup` and deploy/install.sh build into the virtualenv).",
     )
 
-    @field_validator("converted_weights_dir", "kernels_dir")
+    @field_validator("converted_weights_dir", "kernels_dir", "prefix_cache_dir")
     @classmethod
     def _expand_home(cls, value: str) -> str:
         """Expand `~`, as the example environment file writes the default."""
@@ -254,6 +260,14 @@ class Settings(BaseSettings):
     def threads_per_worker(self) -> int:
         """Return torch intra-op threads for one worker."""
         return self.torch_threads or max(1, physical_cores() // self.worker_count)
+
+    @property
+    def prefix_store_root(self) -> Path:
+        """Return the folder of the host's stored prefixes."""
+        if self.prefix_cache_dir:
+            return Path(self.prefix_cache_dir)
+        shared = Path("/dev/shm")
+        return (shared if shared.is_dir() else Path(tempfile.gettempdir())) / f"corechat-prefixes-{os.getuid()}"
 
     @property
     def request_places(self) -> int:

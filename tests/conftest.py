@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny dev model, a started engine, and Flask apps built by the real factory."""
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,9 @@ def make_settings(tiny_model_dir):
     """Return a factory of Settings on the tiny model, with overrides."""
 
     def make(**overrides) -> Settings:
-        values = {"model": str(tiny_model_dir), "model_name": "tiny", "warmup": False, "sse_ping_seconds": 0.2}
+        # Each engine gets its own prefix store folder unless a test shares one on purpose.
+        values = {"model": str(tiny_model_dir), "model_name": "tiny", "warmup": False, "sse_ping_seconds": 0.2,
+                  "prefix_cache_dir": tempfile.mkdtemp(prefix="corechat-prefixes-")}
         values.update(overrides)
         return Settings(**values)
 

@@ -117,6 +117,8 @@ class GunicornServer:
             "BIND": f"127.0.0.1:{self.port}",
             "WORKERS": str(workers),
             "PYTHONUNBUFFERED": "1",
+            # The workers of one server share a prefix store; no other server's prompts are in it.
+            "PREFIX_CACHE_DIR": str(log_dir / f"prefixes-{self.port}"),
             **{key.upper(): str(value) for key, value in settings.items()},
         }
         self.process: subprocess.Popen | None = None

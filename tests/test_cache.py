@@ -58,8 +58,9 @@ def content_chunks(body: str) -> list[str]:
 
 
 def without_ids(text: str) -> str:
-    """Blank out what differs between two replies to the same request: ids, timestamps, keep-alive pings."""
-    text = text.replace(": ping\n\n", "")
+    """Blank out what differs between two replies to the same request: ids, timestamps, keep-alive
+    pings, and how many prompt tokens were not computed (a replay computes none, a pass reuses a prefix)."""
+    text = re.sub(r'"cached_tokens":\d+', '"cached_tokens":0', text.replace(": ping\n\n", ""))
     return re.sub(r'"created":\d+', '"created":0', re.sub(r"chatcmpl-[0-9a-f]+", "chatcmpl-x", text))
 
 

@@ -9,6 +9,7 @@ import requests
 import torch
 
 from service.devmodel import make_model_config
+from service.engine.kvcache import cache_layers
 from service.engine.memory import kv_bytes_per_token, kv_token_budget, reserved_kv_tokens
 from service.settings import Settings
 from support import GunicornServer
@@ -46,7 +47,9 @@ def test_the_budget_arithmetic_matches_the_cache_the_engine_builds(engine):
     from service.engine import SamplingParams
 
     list(engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0)).events())
-    stored = engine._scheduler.prefixes._entries[tuple(prompt)][1]
+    found, length = engine._scheduler.prefixes.lookup([*prompt, 0])
+    assert length == len(prompt)
+    stored = cache_layers(found)
     assert sum(keys.nbytes + values.nbytes for keys, values in stored) == len(prompt) * engine.facts["kv_bytes_per_token"]
 
 

@@ -72,19 +72,63 @@ def test_a_built_cache_holds_the_given_tensors_and_appending_leaves_them_unchang
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(layers, copies))
 
 
-def test_prefix_store_drops_a_stored_prompt_that_a_new_one_extends(config):
-    """A conversation's earlier turn can never be the longest match again: its copy goes, its bytes too."""
+def cache_of(config, tokens: int):
+    """Return a one-row cache of random keys and values holding `tokens` tokens."""
+    return build_cache(config, [(torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16))
+                                for _ in range(config.num_hidden_layers)])
 
-    def cache_of(tokens: int):
-        return build_cache(config, [(torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16))
-                                    for _ in range(config.num_hidden_layers)])
 
-    store = PrefixStore(config, capacity_bytes=1 << 30)
-    store.store([1, 2, 3], cache_of(3))
-    store.store([7, 8], cache_of(2))
-    token_bytes = store.bytes // 5
-    store.store([1, 2, 3, 4, 5], cache_of(5))
-    assert list(store._entries) == [(7, 8), (1, 2, 3, 4, 5)]
-    assert store.bytes == (2 + 5) * token_bytes
+def test_prefix_store_drops_a_stored_prompt_that_a_new_one_extends(config, tmp_path):
+    """A conversation's earlier turn can never be the longest match again: its file goes."""
+    store = PrefixStore(config, 1 << 30, tmp_path, "model")
+    store.store_cache([1, 2, 3], cache_of(config, 3))
+    store.store_cache([7, 8], cache_of(config, 2))
+    store.store_cache([1, 2, 3, 4, 5], cache_of(config, 5))
+    assert len(list((tmp_path / "model").iterdir())) == 2
     assert store.lookup([1, 2, 3, 9])[1] == 3
     assert store.lookup([1, 2, 3, 4, 5, 6])[1] == 5
+    assert store.lookup([7, 8, 9])[1] == 2
+
+
+def test_a_sequence_stored_by_one_worker_is_found_whole_by_another(config, tmp_path):
+    """Two stores on one folder (two workers): what one keeps, the other reads back bit for bit."""
+    writer, reader = PrefixStore(config, 1 << 30, tmp_path, "model"), PrefixStore(config, 1 << 30, tmp_path, "model")
+    stored = cache_of(config, 6)
+    writer.store_cache([5, 6, 7, 8, 9, 10], stored)
+    found, length = reader.lookup([5, 6, 7, 8, 9, 10, 11])
+    assert length == 6
+    assert all(torch.equal(a, b) and torch.equal(c, d)
+               for (a, c), (b, d) in zip(cache_layers(found), cache_layers(stored), strict=True))
+    assert PrefixStore(config, 1 << 30, tmp_path, "other model").lookup([5, 6, 7, 8, 9, 10, 11]) == (None, 0)
+
+
+def test_the_folder_keeps_the_most_recently_used_sequences_within_its_capacity(config, tmp_path):
+    """Eviction goes least recently used first, over every model's files, and a hit counts as a use."""
+    one = PrefixStore(config, 1 << 30, tmp_path, "model")
+    one.store_cache([1, 1], cache_of(config, 2))
+    size = one.bytes
+    store = PrefixStore(config, 3 * size, tmp_path, "model")
+    store.store_cache([2, 2], cache_of(config, 2))
+    store.store_cache([3, 3], cache_of(config, 2))
+    assert store.lookup([1, 1, 5])[1] == 2  # [1, 1] is the most recently used now
+    PrefixStore(config, 3 * size, tmp_path, "other model").store_cache([4, 4], cache_of(config, 2))
+    kept = {tuple(store.lookup([first, first, 5])[1] for first in (1, 2, 3))}
+    assert kept == {(2, 0, 2)}
+
+
+def test_a_folder_others_can_write_is_never_read(config, tmp_path):
+    """A folder another user could fill with forged keys and values turns prefix reuse off."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    store = PrefixStore(config, 1 << 30, shared, "model")
+    store.store_cache([1, 2, 3], cache_of(config, 3))
+    assert not store.enabled and store.lookup([1, 2, 3, 4]) == (None, 0)
+    assert not (shared / "model").exists()
+
+
+def test_no_capacity_keeps_nothing(config, tmp_path):
+    """PREFIX_CACHE_MB=0 stores no file at all."""
+    store = PrefixStore(config, 0, tmp_path / "store", "model")
+    store.store_cache([1, 2, 3], cache_of(config, 3))
+    assert store.lookup([1, 2, 3, 4]) == (None, 0) and not (tmp_path / "store").exists()

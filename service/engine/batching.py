@@ -71,6 +71,12 @@ class DecodeBatch:
         self.cache = build_cache(self.config, layers, length=width)
         self.lengths, self.width = lengths, width
 
+    def row_layers(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return one row's keys and values, every layer, without its padding (views of the batch's cache)."""
+        start = self.width - self.lengths[row]
+        return [(keys[row:row + 1, :, start:self.width], values[row:row + 1, :, start:self.width])
+                for keys, values in cache_layers(self.cache)]
+
     def step(self, model, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next-token logits, one row per sequence.
 

@@ -199,7 +199,8 @@ class Engine:
         )
         self._scheduler = Scheduler(
             self.settings, self.model, self.tokenizer, pending=self._pending,
-            prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024),
+            prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024,
+                                 self.settings.prefix_store_root, f"{self.fingerprint}-{self.settings.dtype}"),
             eos_ids=self._eos_ids, speller=self._speller, kv_token_budget=self.kv_token_budget, facts=self.facts,
             cores=self.cores,
         )

@@ -73,6 +73,10 @@ class _Sequence:
     prompt_seconds: float = 0.0
     first_token_at: float | None = None
     deadline: float | None = field(default=None)
+    # Tokens taken after the input ids; the cache holds all but the last (never fed yet).
+    taken_ids: list[int] = field(default_factory=list)
+    # The final event of a sequence that ended in the batch, sent once it left.
+    final: Finished | None = None
 
 
 class Scheduler:
@@ -173,6 +177,8 @@ class Scheduler:
                 generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             taken_at = time.monotonic()
+            # Its place is counted before it hears it started: a client that saw it start sees it running.
+            self.running = len(active) + len(prefilling) + 1
             generation.send(Started(taken_at - generation.submitted_at, taken_at=taken_at))
             try:
                 prefilling.append(self._begin(generation))
@@ -320,7 +326,7 @@ class Scheduler:
                     logits_to_keep=1,
                 )
                 if not sequence.next_input:
-                    self.prefixes.store(sequence.generation.input_ids, sequence.cache)
+                    self.prefixes.store_cache(sequence.generation.input_ids, sequence.cache)
                     mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
             elapsed = time.monotonic() - began
             sequence.prompt_seconds += elapsed
@@ -377,12 +383,27 @@ class Scheduler:
         self._forward_seconds += forward_seconds
         self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
 
-    @staticmethod
-    def _leave(active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
-        """Remove ended sequences from the running list and the batch."""
-        if rows:
-            batch.leave(rows)
-            active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+    def _leave(self, active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
+        """Remove ended sequences from the running list and the batch; the replies that ended well
+        keep their KV state for the conversation's next turn, then get their final event."""
+        if not rows:
+            return
+        for row in rows:
+            sequence = active[row]
+            if sequence.final is not None:
+                self._store_reply(sequence, batch, row)
+                sequence.generation.send(sequence.final)
+        batch.leave(rows)
+        active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
+
+    def _store_reply(self, sequence: _Sequence, batch: DecodeBatch, row: int) -> None:
+        """Keep the KV state of a sequence's prompt and reply; a failure to keep it only costs reuse."""
+        length = batch.lengths[row]
+        try:
+            self.prefixes.store([*sequence.generation.input_ids, *sequence.taken_ids][:length], batch.row_layers(row))
+            self.facts["prefix_cache_bytes"] = self.prefixes.bytes
+        except Exception:
+            log.exception("a reply's KV state could not be stored")
 
     def _advance_or_fail(self, sequence: _Sequence, token_id: int, logprob: TokenLogprobs | None = None) -> bool:
         """Advance a sequence; a fault in its bookkeeping or text fails that sequence alone."""
@@ -402,6 +423,7 @@ class Scheduler:
         if generation.grammar is not None and not generation.grammar.consume_token(token_id):
             raise ValueError(f"the grammar refused token {token_id}: {generation.grammar.get_error()}")
         sequence.completion_tokens += 1
+        sequence.taken_ids.append(token_id)
         sequence.next_input = [token_id]
         if token_id in self.eos_ids:
             self._finish(sequence, "stop")
@@ -429,13 +451,17 @@ class Scheduler:
             sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
         self.facts["requests_finished"] += 1
-        sequence.generation.send(
-            Finished(
-                finish_reason=finish_reason,
-                prompt_tokens=len(sequence.generation.prompt_ids),
-                completion_tokens=sequence.completion_tokens,
-                prompt_seconds=sequence.prompt_seconds,
-                decode_seconds=decode_seconds,
-                cached_prompt_tokens=sequence.cached_prompt_tokens,
-            )
+        finished = Finished(
+            finish_reason=finish_reason,
+            prompt_tokens=len(sequence.generation.prompt_ids),
+            completion_tokens=sequence.completion_tokens,
+            prompt_seconds=sequence.prompt_seconds,
+            decode_seconds=decode_seconds,
+            cached_prompt_tokens=sequence.cached_prompt_tokens,
         )
+        if sequence.cache is None and finish_reason != "cancelled":
+            # In the batch: _leave keeps the reply's KV state first, so the conversation's next
+            # turn, which only a client that saw this end sends, finds it.
+            sequence.final = finished
+        else:
+            sequence.generation.send(finished)
