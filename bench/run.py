@@ -91,6 +91,9 @@ class StreamResult:
     total_seconds: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens the server reused instead of computing, as its usage reports them.
+    cached_tokens: int = 0
+    text: str = ""
     gaps: list[float] = field(default_factory=list)
     x_cache: str = ""
     error: str = ""
@@ -131,7 +134,10 @@ def stream_chat(base_url: str, messages: list[dict], max_tokens: int, timeout: f
             if chunk.get("usage"):
                 result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
-            if any(choice["delta"].get("content") for choice in chunk.get("choices", [])):
+                result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            content = "".join(choice["delta"].get("content") or "" for choice in chunk.get("choices", []))
+            result.text += content
+            if content:
                 if last_token_at is None:
                     result.first_token_seconds = now
                 else:
@@ -180,7 +186,8 @@ def start_corechat(log_dir: Path, model_dir: Path, redis_url: str, **settings) -
     workers = int(settings.pop("workers", 0)) or physical_cores()
     if redis_url:
         settings["redis_url"] = redis_url
-    server = GunicornServer(log_dir, workers=workers, model=model_dir, max_queue=64, max_model_len=CONTEXT_TOKENS, **settings)
+    settings = {"max_queue": 64, "max_model_len": CONTEXT_TOKENS, **settings}
+    server = GunicornServer(log_dir, workers=workers, model=model_dir, **settings)
     began = time.perf_counter()
     server.start(timeout=600)
     return server, time.perf_counter() - began

@@ -35,3 +35,20 @@ def test_quick_benchmark_writes_every_scenario_without_errors(tiny_model_dir, tm
     table = (tmp_path / "ci.md").read_text()
     for number in range(1, 8):
         assert f"| {number}. " in table
+
+
+def test_quick_conversations_benchmark_runs_both_scenarios_without_errors(tmp_path):
+    """Run `bench/conversations.py --quick --no-peer`: every turn timed, reuse measured, both tables written."""
+    subprocess.run(
+        [sys.executable, "bench/conversations.py", "--quick", "--no-peer", "--results-dir", str(tmp_path), "--name", "ci"],
+        cwd=REPO, check=True, timeout=900, capture_output=True,
+    )
+    (figures,) = json.loads((tmp_path / "ci.json").read_text())["rounds"]
+    multi_turn = figures["corechat"]["multi_turn"]
+    assert multi_turn["errors"] == [] and len(multi_turn["first_token_seconds_by_turn"]) == 3
+    assert all(seconds > 0 for seconds in multi_turn["first_token_seconds_by_turn"])
+    assert 0 < multi_turn["reuse_of_previous_turn"] <= 1
+    behind = figures["corechat_one_worker"]["short_behind_long"]
+    assert behind["errors"] == [] and behind["short_first_token_seconds"] > 0
+    table = (tmp_path / "ci.md").read_text()
+    assert "## Multi-turn" in table and "## A one-line question" in table
