@@ -12,7 +12,7 @@ from transformers import AutoConfig, DynamicCache
 
 from service.engine import Engine
 from service.engine.batching import DecodeBatch
-from service.engine.kvcache import ROOM_TOKENS, GrowingLayer, build_cache, cache_layers, new_cache
+from service.engine.kvcache import ROOM_TOKENS, GrowingLayer, build_cache, cache_layers, new_cache, reserve
 
 HEADS, DIM = 2, 16
 
@@ -55,6 +55,20 @@ def test_appends_hold_what_concatenation_holds_and_write_in_place_until_the_room
     assert pointers[-1] == pointers[-2] == pointers[-3]  # the 300-column chunk's room has space for more
     layer = cache.layers[0]
     assert layer._room[0].shape[2] <= layer.get_seq_length() + ROOM_TOKENS + 300
+
+
+def test_a_prompt_reserved_whole_is_passed_in_chunks_into_one_room(config):
+    """A cache reserved for a long prompt allocates once, however many chunks fill it, from empty or
+    from a handed (stored) prefix."""
+    for handed in (0, 700):
+        cache = reserve(build_cache(config, [states(handed, seed=1)] * config.num_hidden_layers) if handed
+                        else new_cache(config), 5_000)
+        pointers = set()
+        for step in range((5_000 - handed) // 128 + 1):
+            width = min(128, 5_000 - handed - 128 * step)
+            if width:
+                pointers.add(cache.update(*states(width, seed=step), 0)[0].data_ptr())
+        assert cache.get_seq_length() == 5_000 and len(pointers) == 1, handed
 
 
 def test_a_cache_never_writes_tensors_it_was_handed(config):

@@ -33,6 +33,8 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self._room: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Columns the first room holds at least: a prompt's length, so its pass allocates once.
+        self.reserved_tokens = 0
 
     def adopt(self, keys_room: torch.Tensor, values_room: torch.Tensor, length: int) -> None:
         """Hold the first `length` columns of tensors the layer may write into from column `length` on."""
@@ -51,7 +53,7 @@ class GrowingLayer(DynamicLayer):
         # (anything that replaced them, such as build_cache or crop, made them someone else's).
         if (self._room is None or self._handed[0] is not self.keys or self._handed[1] is not self.values
                 or length + new > self._room[0].shape[2] or self._room[0].shape[:2] != key_states.shape[:2]):
-            self._grow(length, length + new + ROOM_TOKENS, key_states, value_states)
+            self._grow(length, max(length + new + ROOM_TOKENS, self.reserved_tokens), key_states, value_states)
         keys_room, values_room = self._room
         keys_room.narrow(2, length, new).copy_(key_states)
         values_room.narrow(2, length, new).copy_(value_states)
@@ -75,6 +77,14 @@ def new_cache(config) -> DynamicCache:
     """Return an empty cache for a model: transformers' layers, its plain ones GrowingLayers."""
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def reserve(cache: DynamicCache, tokens: int) -> DynamicCache:
+    """Make the cache's first room hold `tokens` columns, so appending up to them never copies."""
+    for layer in cache.layers:
+        if type(layer) is GrowingLayer:
+            layer.reserved_tokens = tokens
     return cache
 
 

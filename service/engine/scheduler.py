@@ -13,7 +13,7 @@ from .batching import DecodeBatch
 from .cores import SharedCores
 from .events import Failed, Finished, Generation, Started, TextDelta
 from .grammar import mask_logits
-from .kvcache import new_cache
+from .kvcache import new_cache, reserve
 from .memory import reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
 from .sampling import Sampler, TokenLogprobs, sample_tokens, token_logprobs
@@ -208,7 +208,8 @@ class Scheduler:
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
             text=TextAssembler(self.tokenizer, generation.params.stop),
-            cache=cache if cache is not None else new_cache(self.model.config),
+            # Room for the whole prompt at once: its pass never copies the cache to grow it.
+            cache=reserve(cache if cache is not None else new_cache(self.model.config), len(input_ids)),
             started_at=now,
             next_input=input_ids[cached:],
             cached_prompt_tokens=cached,
