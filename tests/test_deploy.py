@@ -208,7 +208,8 @@ def test_unit_outwaits_gunicorns_graceful_timeout():
     assert int(unit_values("TimeoutStopSec")[0]) > Settings.model_fields["graceful_timeout"].default
     assert unit_values("Type") == ["notify"]
     assert "PROMETHEUS_MULTIPROC_DIR=/run/corechat/metrics" in unit_values("Environment")
-    assert unit_values("RuntimeDirectory") == ["corechat corechat/metrics"]
+    assert unit_values("RuntimeDirectory") == ["corechat corechat/metrics corechat/prefixes"]
+    assert "PREFIX_CACHE_DIR=/run/corechat/prefixes" in unit_values("Environment")
     assert unit_values("CapabilityBoundingSet") == [""]
 
 
