@@ -7,7 +7,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from .auth import caller_key_hash, may_see_details
 from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
-from .errors import InvalidRequest, NotFound
+from .errors import InvalidRequest
 from .limits import read_request_body
 from .observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
@@ -59,25 +59,24 @@ def create_chat_completion():
     return response
 
 
-def _model_card() -> Model:
-    """Describe the served model as OpenAI's model object."""
+def _model_card(name: str) -> Model:
+    """Describe the served model under one of its names as OpenAI's model object."""
     core = current_app.extensions["corechat"]
-    return Model(id=core.chat.model_name, object="model", created=core.started_at, owned_by="corechat")
+    return Model(id=name, object="model", created=core.started_at, owned_by="corechat")
 
 
 @bp.get("/v1/models")
 def list_models():
-    """List the one served model."""
-    return jsonify(ModelList(object="list", data=[_model_card()]).model_dump())
+    """List every name the served model answers to."""
+    names = current_app.extensions["corechat"].settings.served_model_names
+    return jsonify(ModelList(object="list", data=[_model_card(name) for name in names]).model_dump())
 
 
 @bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str):
-    """Describe the served model, or 404 for any other id."""
-    card = _model_card()
-    if model_id != card.id:
-        raise NotFound(f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-    return jsonify(card.model_dump())
+    """Describe the served model under a name it answers to, or 404 for any other id."""
+    chat = current_app.extensions["corechat"].chat
+    return jsonify(_model_card(chat.resolve_model_name(model_id)).model_dump())
 
 
 @bp.get("/healthz")

@@ -53,6 +53,8 @@ class PreparedChat:
     params: SamplingParams
     completion_id: str
     created: int
+    # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
+    model_name: str
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
@@ -78,17 +80,26 @@ class ChatCompletions:
 
     @property
     def model_name(self) -> str:
-        """Return the name clients use for the served model."""
+        """Return the name replies carry when the request named no model."""
         return self.settings.served_model_name
 
-    def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
-        """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
-        if request.model not in (None, "", self.model_name):
+    def resolve_model_name(self, requested: str | None) -> str:
+        """Return the name a reply carries for the model a request named, or raise 404 for a name not served."""
+        if not requested:
+            return self.model_name
+        names = self.settings.served_model_names
+        if requested not in names:
             raise NotFound(
-                f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
+                f"the model '{requested}' does not exist; this server serves "
+                + ", ".join(f"'{name}'" for name in names),
                 param="model",
                 code="model_not_found",
             )
+        return requested
+
+    def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
+        model_name = self.resolve_model_name(request.model)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] for message in messages))
@@ -108,6 +119,7 @@ class ChatCompletions:
             params=self._sampling_params(request, len(prompt_ids), grammar),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
+            model_name=model_name,
         )
 
     @staticmethod
@@ -220,7 +232,7 @@ class ChatCompletions:
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
-            "model": self.model_name,
+            "model": prepared.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
             "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                          "finish_reason": finish_reason}],
@@ -326,7 +338,7 @@ class ChatCompletions:
             id=prepared.completion_id,
             object="chat.completion",
             created=prepared.created,
-            model=self.model_name,
+            model=prepared.model_name,
             system_fingerprint=self.engine.fingerprint or None,
             choices=[
                 Choice(

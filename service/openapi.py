@@ -54,9 +54,10 @@ def _paths() -> dict:
                 "responses": {"200": chat_ok, "default": ERROR},
             }
         },
-        "/v1/models": _get("List the served model.", _json("ModelList", "The one served model.")),
+        "/v1/models": _get("List every name the served model answers to.", _json("ModelList", "The accepted names.")),
         "/v1/models/{model_id}": {
-            **_get("Describe the served model; any other id is a 404.", _json("Model", "The served model.")),
+            **_get("Describe the served model under one of its names; any other id is a 404 `model_not_found`.",
+                   _json("Model", "The served model.")),
             "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
         },
         "/healthz": _get("Liveness: answers while the process is alive.", _json("Health", "Alive.")),

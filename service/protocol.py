@@ -150,7 +150,7 @@ class ChatCompletionChunk(_Response):
 
 
 class Model(_Response):
-    """The served model."""
+    """The served model, under one of the names it answers to."""
 
     id: str
     object: Literal["model"]
@@ -159,7 +159,7 @@ class Model(_Response):
 
 
 class ModelList(_Response):
-    """The models this server serves: one."""
+    """The names the one served model answers to: MODEL_NAME's aliases, then the model's own id."""
 
     object: Literal["list"]
     data: list[Model]

@@ -14,6 +14,7 @@ from service.errors import ErrorResponse
 from service.protocol import ChatCompletion, ChatCompletionChunk, Model, ModelList
 from service.schemas import parse_chat_request
 from service.sse import sse_data
+from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
@@ -105,4 +106,5 @@ def test_whole_replies_and_models_leave_out_what_openai_leaves_out(default_serve
     message = ChatCompletion.model_validate(called.json()).choices[0].message
     assert message.content is None and len(message.tool_calls) == 1 and called.json()["choices"][0]["message"]["content"] is None
     models = ModelList.model_validate(requests.get(f"{url}/v1/models", timeout=10).json())
-    assert [model.id for model in models.data] == [Model.model_validate(requests.get(f"{url}/v1/models/tiny", timeout=10).json()).id]
+    assert [model.id for model in models.data] == [
+        Model.model_validate(requests.get(f"{url}/v1/models/{name}", timeout=10).json()).id for name in ("tiny", TINY_MODEL_DIR.name)]
