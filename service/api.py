@@ -9,6 +9,7 @@ from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
 from .errors import InvalidRequest
 from .limits import read_request_body
+from .naming import resolve_model_name
 from .observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
 from .schemas import parse_chat_request, parse_json_body
@@ -59,6 +60,20 @@ def create_chat_completion():
     return response
 
 
+@bp.post("/tokenize")
+def tokenize():
+    """Turn text, or a conversation through the chat template, into the model's token ids."""
+    tokens = current_app.extensions["corechat"].tokens
+    return jsonify(tokens.tokenize(read_json_body()).model_dump())
+
+
+@bp.post("/detokenize")
+def detokenize():
+    """Turn the model's token ids back into text."""
+    tokens = current_app.extensions["corechat"].tokens
+    return jsonify(tokens.detokenize(read_json_body()).model_dump())
+
+
 def _model_card(name: str) -> Model:
     """Describe the served model under one of its names as OpenAI's model object."""
     core = current_app.extensions["corechat"]
@@ -75,8 +90,8 @@ def list_models():
 @bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str):
     """Describe the served model under a name it answers to, or 404 for any other id."""
-    chat = current_app.extensions["corechat"].chat
-    return jsonify(_model_card(chat.resolve_model_name(model_id)).model_dump())
+    settings = current_app.extensions["corechat"].settings
+    return jsonify(_model_card(resolve_model_name(settings, model_id)).model_dump())
 
 
 @bp.get("/healthz")

@@ -25,8 +25,9 @@ from .engine import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
+from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
+from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice, Usage
 from .schemas import ChatCompletionRequest
 from .sse import DONE, PING, sse_data
@@ -83,23 +84,9 @@ class ChatCompletions:
         """Return the name replies carry when the request named no model."""
         return self.settings.served_model_name
 
-    def resolve_model_name(self, requested: str | None) -> str:
-        """Return the name a reply carries for the model a request named, or raise 404 for a name not served."""
-        if not requested:
-            return self.model_name
-        names = self.settings.served_model_names
-        if requested not in names:
-            raise NotFound(
-                f"the model '{requested}' does not exist; this server serves "
-                + ", ".join(f"'{name}'" for name in names),
-                param="model",
-                code="model_not_found",
-            )
-        return requested
-
     def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
         """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
-        model_name = self.resolve_model_name(request.model)
+        model_name = resolve_model_name(self.settings, request.model)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] for message in messages))
@@ -141,7 +128,7 @@ class ChatCompletions:
 
     def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
-        limit, limit_name = self._token_limit()
+        limit, limit_name = self.token_limit()
         room = limit - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
@@ -187,7 +174,7 @@ class ChatCompletions:
         configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
         return float(configured) if configured is not None else 1.0
 
-    def _token_limit(self) -> tuple[int, str]:
+    def token_limit(self) -> tuple[int, str]:
         """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
 
         The model's context, unless the worker's KV budget (KV_CACHE_MB) is smaller: a request

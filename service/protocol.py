@@ -165,6 +165,23 @@ class ModelList(_Response):
     data: list[Model]
 
 
+class TokenizeResponse(_Response):
+    """The token ids of `POST /tokenize` (llama.cpp's `tokens`; vLLM's `tokens`, `count` and `max_model_len`)."""
+
+    tokens: list[Count]
+    count: Count
+    max_model_len: Annotated[Count, Field(description="The most tokens one sequence, prompt and reply, may hold "
+                                                      "on this server: the model's context, or the worker's KV budget "
+                                                      "when smaller.")]
+
+
+class DetokenizeResponse(_Response):
+    """The text of `POST /detokenize`, under vLLM's name (`prompt`) and llama.cpp's (`content`)."""
+
+    prompt: str
+    content: str
+
+
 class Health(_Response):
     """The process is alive."""
 
@@ -184,4 +201,5 @@ class Readiness(_Response):
     waiting: Count
 
 
-RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, Health, Readiness)
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, TokenizeResponse, DetokenizeResponse,
+                   Health, Readiness)

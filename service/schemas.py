@@ -15,27 +15,27 @@ INT64 = 2**63 - 1
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Strict types (no "1" for 1, no NaN), unknown fields ignored as OpenAI's clients expect."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """One text part of a message given as a list of parts."""
 
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     """The function an assistant message called, with its arguments as a JSON text."""
 
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """One tool call of an earlier assistant message."""
 
     id: str
@@ -43,7 +43,7 @@ class ToolCall(_Strict):
     function: CalledFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One message of the conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -80,7 +80,7 @@ class ChatMessage(_Strict):
 FunctionName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     """A function the model may call; `parameters` is a JSON schema of its arguments."""
 
     name: FunctionName
@@ -94,39 +94,39 @@ class FunctionDefinition(_Strict):
         return self.parameters if self.parameters is not None else {"type": "object"}
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """A tool the model may call: only functions exist."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     """The function a named tool_choice forces."""
 
     name: FunctionName
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """A tool_choice that forces one function."""
 
     type: Literal["function"]
     function: FunctionChoice
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """Free text, the default."""
 
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(StrictModel):
     """Any JSON object."""
 
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     """A named JSON schema the reply must follow."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -137,14 +137,14 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """JSON following a schema."""
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """Options of a streamed reply."""
 
     include_usage: bool = False
@@ -153,7 +153,7 @@ class StreamOptions(_Strict):
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictModel):
     """A `POST /v1/chat/completions` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -271,9 +271,9 @@ def _param_name(location: tuple) -> str:
     return name
 
 
-def _check_messages(request: ChatCompletionRequest) -> None:
+def check_messages(messages: list[ChatMessage]) -> None:
     """Check what one field's type cannot: which role carries which tool field, and the arguments' JSON."""
-    for index, message in enumerate(request.messages):
+    for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if message.tool_calls is not None and message.role != "assistant":
             raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
@@ -310,32 +310,42 @@ def _check_tool_fields(request: ChatCompletionRequest) -> None:
         raise InvalidRequest("'top_logprobs' is only allowed when 'logprobs' is true", param="top_logprobs")
 
 
-def parse_chat_request(body) -> ChatCompletionRequest:
-    """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
+def parse_body(model: type[BaseModel], body):
+    """Validate a decoded JSON body as `model`, raising InvalidRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
-        # whose tag (its literal `type`) matched says more than those whose tag did not.
-        errors = exc.errors(include_url=False)
-        mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
-        first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
-        param = _param_name(first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "missing":
-            message = f"'{param}' is a required property"
-        elif param == "n":
-            message = "only n=1 is supported"
-        elif first["type"] == "literal_error":
-            # Each alternative of a union names only its own values; the client needs all of them.
-            expected = [error["ctx"]["expected"] for error in errors
-                        if error["type"] == "literal_error" and _param_name(error["loc"]) == param]
-            message = f"invalid '{param}': expected {' or '.join(expected)}"
-        else:
-            message = f"invalid '{param}': {message}"
-        raise InvalidRequest(message, param=param or None) from None
-    _check_messages(request)
+        raise invalid_request_from(exc) from None
+
+
+def invalid_request_from(exc: ValidationError) -> InvalidRequest:
+    """Turn pydantic's errors into one InvalidRequest naming the field at fault."""
+    # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
+    # whose tag (its literal `type`) matched says more than those whose tag did not.
+    errors = exc.errors(include_url=False)
+    mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
+    first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
+    param = _param_name(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = f"'{param}' is a required property"
+    elif param == "n":
+        message = "only n=1 is supported"
+    elif first["type"] == "literal_error":
+        # Each alternative of a union names only its own values; the client needs all of them.
+        expected = [error["ctx"]["expected"] for error in errors
+                    if error["type"] == "literal_error" and _param_name(error["loc"]) == param]
+        message = f"invalid '{param}': expected {' or '.join(expected)}"
+    else:
+        message = f"invalid '{param}': {message}"
+    return InvalidRequest(message, param=param or None)
+
+
+def parse_chat_request(body) -> ChatCompletionRequest:
+    """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
+    request = parse_body(ChatCompletionRequest, body)
+    check_messages(request.messages)
     _check_tool_fields(request)
     return request
