@@ -164,7 +164,17 @@ class ChatCompletions:
             grammar=grammar,
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
+            logit_bias=self._logit_bias(request),
         )
+
+    def _logit_bias(self, request: ChatCompletionRequest) -> tuple[tuple[int, float], ...]:
+        """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
+        vocab_size = self.engine.template.vocab_size
+        for token_id in map(int, request.logit_bias or {}):
+            if token_id >= vocab_size:
+                raise InvalidRequest(f"invalid 'logit_bias': {token_id} is not a token id of this model (its ids run "
+                                     f"from 0 to {vocab_size - 1})", param="logit_bias")
+        return request.token_biases
 
     def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
         """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as

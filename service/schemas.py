@@ -10,6 +10,10 @@ from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds of logit_bias: entries, and each value (-100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 INT64 = 2**63 - 1
 # OpenAI's rule for function and schema names.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -179,6 +183,22 @@ class ChatCompletionRequest(StrictModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
+        None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
+        "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value):
+        """Allow at most 300 entries, each keyed by a token id written as a decimal integer, as OpenAI does."""
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, not {len(value)}")
+        for key in value:
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"the key {key!r} is not a token id (a non-negative integer as a string, such as \"1234\")")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -226,6 +246,11 @@ class ChatCompletionRequest(StrictModel):
         if isinstance(choice, NamedToolChoice):
             return [tool for tool in self.tools or [] if tool.function.name == choice.function.name]
         return []
+
+    @property
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
+        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
 
     @property
     def json_schema(self) -> dict | None:
