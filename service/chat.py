@@ -89,7 +89,7 @@ class ChatCompletions:
         model_name = resolve_model_name(self.settings, request.model)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
-        check_prompt_text("".join(message["content"] for message in messages))
+        check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
         if tools and not self.engine.template.supports_tools:
             raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",

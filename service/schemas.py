@@ -67,9 +67,12 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
-        """Return the message as the chat template expects it (tool arguments as objects, as templates print them)."""
+        """Return the message as the chat template expects it (tool arguments as objects, as templates print them;
+        `name` kept for the templates that render it, as transformers and vLLM pass it)."""
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",

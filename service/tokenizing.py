@@ -54,7 +54,7 @@ class Tokenization:
         check_message_count(len(request.messages), self.settings)
         check_messages(request.messages)
         messages = [message.for_template() for message in request.messages]
-        check_prompt_text("".join(message["content"] for message in messages))
+        check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
         try:
             return self.engine.template.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
         except TemplateRefused as exc:
