@@ -26,10 +26,11 @@ from .engine import (
     tool_call_grammar,
 )
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
+from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice, Usage
-from .schemas import ChatCompletionRequest
+from .schemas import CalledFunction, ChatCompletionRequest
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -87,6 +88,7 @@ class ChatCompletions:
     def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
         """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
         model_name = resolve_model_name(self.settings, request.model)
+        request = as_tools_request(request)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
@@ -263,19 +265,19 @@ class ChatCompletions:
                     yield PING
                 elif isinstance(event, TextDelta):
                     logprobs += map(render_logprob, event.logprobs)
-                    for delta in self._deltas(parser, event.text):
+                    for delta in self._deltas(prepared, parser, event.text):
                         yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
                         logprobs = []
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
                         break
-                    for delta in self._deltas(parser, None):
+                    for delta in self._deltas(prepared, parser, None):
                         yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
                         logprobs = []
                     if logprobs:
                         yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
-                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(event, parser)))
+                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
                         usage_chunk.update(choices=[], usage=self._usage(event).model_dump())
@@ -289,18 +291,26 @@ class ChatCompletions:
             source.cancel()
 
     @staticmethod
-    def _deltas(parser: ToolCallParser | None, text: str | None) -> list[dict]:
-        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out."""
+    def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out
+        (as the legacy `function_call` for a request that sent `functions`)."""
         if parser is None:
             return [{"content": text}] if text else []
         content, calls = parser.feed(text) if text is not None else parser.finish()
-        return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
+        deltas = [{"content": content}] if content else []
+        if calls and prepared.request.legacy_functions:
+            piece = function_call_delta(calls)
+            deltas += [{"function_call": piece}] if piece is not None else []
+        elif calls:
+            deltas.append({"tool_calls": calls})
+        return deltas
 
     @staticmethod
-    def _finish_reason(finished: Finished, parser: ToolCallParser | None) -> str:
-        """Return OpenAI's finish reason: `tool_calls` when a reply that ended by itself called tools."""
+    def _finish_reason(prepared: PreparedChat, finished: Finished, parser: ToolCallParser | None) -> str:
+        """Return OpenAI's finish reason: `tool_calls` (legacy: `function_call`) when a reply that ended by itself
+        called tools."""
         if parser is not None and parser.calls and finished.finish_reason == "stop":
-            return "tool_calls"
+            return "function_call" if prepared.request.legacy_functions else "tool_calls"
         return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:
@@ -327,7 +337,10 @@ class ChatCompletions:
             content, deltas = parser.feed(text)
             rest, last_deltas = parser.finish()
             text, calls = content + rest, merge_deltas(deltas + last_deltas)
-        if calls:
+        if calls and prepared.request.legacy_functions:
+            message = AssistantMessage(role="assistant", content=text or None,
+                                       function_call=CalledFunction(**calls[0]["function"]))
+        elif calls:
             message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
         else:
             message = AssistantMessage(role="assistant", content=text)
@@ -342,7 +355,7 @@ class ChatCompletions:
                     index=0,
                     message=message,
                     logprobs={"content": logprobs} if prepared.params.logprobs else None,
-                    finish_reason=self._finish_reason(finished, parser),
+                    finish_reason=self._finish_reason(prepared, finished, parser),
                 )
             ],
             usage=self._usage(finished),

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ErrorResponse
-from .schemas import MAX_TOP_LOGPROBS, ToolCall
+from .schemas import MAX_TOP_LOGPROBS, CalledFunction, ToolCall
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
 Count = Annotated[int, Field(ge=0)]
 Byte = Annotated[int, Field(ge=0, le=255)]
@@ -72,11 +72,13 @@ LogprobsField = Annotated[
 
 
 class AssistantMessage(_Response):
-    """The reply; `content` is null when the reply is tool calls alone."""
+    """The reply; `content` is null when the reply is tool calls alone (or, for a request that sent the legacy
+    `functions`, its one `function_call`)."""
 
     role: Literal["assistant"]
     content: str | None
     tool_calls: Annotated[list[ToolCall], Field(min_length=1)] = omitted()
+    function_call: CalledFunction = omitted()
 
 
 class Choice(_Response):
@@ -118,11 +120,13 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    """What a chunk adds to the reply: the role first, then content or tool-call pieces."""
+    """What a chunk adds to the reply: the role first, then content or tool-call pieces (for a request that sent
+    the legacy `functions`, `function_call` pieces: the name first, then `arguments` text)."""
 
     role: Literal["assistant"] = omitted()
     content: str = omitted()
     tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] = omitted()
+    function_call: DeltaFunctionCall = omitted()
 
 
 class ChunkChoice(_Response):

@@ -50,12 +50,14 @@ class ToolCall(StrictModel):
 class ChatMessage(StrictModel):
     """One message of the conversation."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null only on an assistant message that carries tool_calls.
+    # `function` is the legacy role of a function's result, answering an assistant's `function_call`.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # null only on an assistant message that carries tool_calls (or the legacy function_call).
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: CalledFunction | None = None
 
     @property
     def text(self) -> str:
@@ -186,6 +188,9 @@ class ChatCompletionRequest(StrictModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
+    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
+    function_call: Literal["none", "auto"] | FunctionChoice | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
         "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
@@ -251,6 +256,11 @@ class ChatCompletionRequest(StrictModel):
         return []
 
     @property
+    def legacy_functions(self) -> bool:
+        """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
+        return self.functions is not None
+
+    @property
     def token_biases(self) -> tuple[tuple[int, float], ...]:
         """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
         return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
@@ -307,18 +317,40 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
         if message.role == "tool" and message.tool_call_id is None:
             raise InvalidRequest(f"'{where}.tool_call_id' is a required property of tool messages", param=f"{where}.tool_call_id")
-        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        if message.function_call is not None and message.role != "assistant":
+            raise InvalidRequest(f"'{where}.function_call' is only allowed on assistant messages",
+                                 param=f"{where}.function_call")
+        if message.role == "function" and message.name is None:
+            raise InvalidRequest(f"'{where}.name' is a required property of function messages", param=f"{where}.name")
+        if message.content is None and not (message.role == "assistant" and (message.tool_calls or message.function_call)):
             raise InvalidRequest(f"'{where}.content' is a required property", param=f"{where}.content")
-        for call_index, call in enumerate(message.tool_calls or []):
-            param = f"{where}.tool_calls[{call_index}].function.arguments"
+        called = [(f"{where}.tool_calls[{index}].function", call.function) for index, call in enumerate(message.tool_calls or [])]
+        if message.function_call is not None:
+            called.append((f"{where}.function_call", message.function_call))
+        for place, function in called:
+            param = f"{place}.arguments"
             try:
-                arguments = nesting.loads(call.function.arguments)
+                arguments = nesting.loads(function.arguments)
             except nesting.TooDeep as exc:
                 raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
             except ValueError:
                 raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
             if not isinstance(arguments, dict):
                 raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
+
+
+def _check_function_fields(request: ChatCompletionRequest) -> None:
+    """Check the legacy functions and function_call as tools and tool_choice are checked, and never beside them."""
+    if request.functions is not None and (request.tools is not None or request.tool_choice is not None):
+        raise InvalidRequest("'functions' cannot be combined with 'tools' or 'tool_choice'; send one form", param="functions")
+    if request.function_call is not None and request.functions is None:
+        raise InvalidRequest("'function_call' is only allowed when 'functions' are given", param="function_call")
+    names = [function.name for function in request.functions or []]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("invalid 'functions': names must be unique", param="functions")
+    if isinstance(request.function_call, FunctionChoice) and request.function_call.name not in names:
+        raise InvalidRequest(f"invalid 'function_call': no function named '{request.function_call.name}' is in "
+                             "'functions'", param="function_call")
 
 
 def _check_tool_fields(request: ChatCompletionRequest) -> None:
@@ -375,5 +407,6 @@ def parse_chat_request(body) -> ChatCompletionRequest:
     """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
     request = parse_body(ChatCompletionRequest, body)
     check_messages(request.messages)
+    _check_function_fields(request)
     _check_tool_fields(request)
     return request
