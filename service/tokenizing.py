@@ -6,6 +6,7 @@ The bodies are those of both peers a frontend may have been written for: llama.c
 tokenizer and chat template; this class checks the request against them and knows nothing of Flask.
 """
 
+from .chat import ChatCompletions
 from .engine import TemplateRefused
 from .errors import RETRY_AFTER_SECONDS, InvalidRequest, Overloaded
 from .limits import check_message_count, check_prompt_text
@@ -22,7 +23,7 @@ def _engine_unavailable() -> Overloaded:
 class Tokenization:
     """Tokenize and detokenize with one worker's engine, within the limits chat requests have."""
 
-    def __init__(self, chat):
+    def __init__(self, chat: ChatCompletions):
         self.chat = chat
         self.engine = chat.engine
         self.settings = chat.settings
