@@ -14,11 +14,12 @@ from .settings import Settings, get_settings
 
 @dataclass
 class Corechat:
-    """What the views need, kept on the app: settings, the engine and the serving class."""
+    """What the views need, kept on the app: settings, the engine and the serving classes."""
 
     settings: Settings
     engine: object
     chat: object
+    tokens: object
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -52,9 +53,11 @@ def configure_logging(settings: Settings) -> None:
 
 
 def register_core(app, settings: Settings, engine) -> None:
-    """Attach the engine and the serving class to the app."""
+    """Attach the engine and the serving classes to the app."""
     from .chat import ChatCompletions
     from .engine import Engine
+    from .tokenizing import Tokenization
 
     engine = engine or Engine(settings)
-    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=ChatCompletions(engine, settings))
+    chat = ChatCompletions(engine, settings)
+    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=chat, tokens=Tokenization(chat))

@@ -7,8 +7,9 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from .auth import caller_key_hash, may_see_details
 from .cache import no_cache_requested, set_status, settled_status
 from .disconnect import WatchedSource
-from .errors import InvalidRequest, NotFound
+from .errors import InvalidRequest
 from .limits import read_request_body
+from .naming import resolve_model_name
 from .observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
 from .schemas import parse_chat_request, parse_json_body
@@ -59,25 +60,38 @@ def create_chat_completion():
     return response
 
 
-def _model_card() -> Model:
-    """Describe the served model as OpenAI's model object."""
+@bp.post("/tokenize")
+def tokenize():
+    """Turn text, or a conversation through the chat template, into the model's token ids."""
+    tokens = current_app.extensions["corechat"].tokens
+    return jsonify(tokens.tokenize(read_json_body()).model_dump())
+
+
+@bp.post("/detokenize")
+def detokenize():
+    """Turn the model's token ids back into text."""
+    tokens = current_app.extensions["corechat"].tokens
+    return jsonify(tokens.detokenize(read_json_body()).model_dump())
+
+
+def _model_card(name: str) -> Model:
+    """Describe the served model under one of its names as OpenAI's model object."""
     core = current_app.extensions["corechat"]
-    return Model(id=core.chat.model_name, object="model", created=core.started_at, owned_by="corechat")
+    return Model(id=name, object="model", created=core.started_at, owned_by="corechat")
 
 
 @bp.get("/v1/models")
 def list_models():
-    """List the one served model."""
-    return jsonify(ModelList(object="list", data=[_model_card()]).model_dump())
+    """List every name the served model answers to."""
+    names = current_app.extensions["corechat"].settings.served_model_names
+    return jsonify(ModelList(object="list", data=[_model_card(name) for name in names]).model_dump())
 
 
 @bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str):
-    """Describe the served model, or 404 for any other id."""
-    card = _model_card()
-    if model_id != card.id:
-        raise NotFound(f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-    return jsonify(card.model_dump())
+    """Describe the served model under a name it answers to, or 404 for any other id."""
+    settings = current_app.extensions["corechat"].settings
+    return jsonify(_model_card(resolve_model_name(settings, model_id)).model_dump())
 
 
 @bp.get("/healthz")

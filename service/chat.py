@@ -25,10 +25,12 @@ from .engine import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, NotFound, Overloaded
+from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
+from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
+from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice, PromptTokensDetails, Usage
-from .schemas import ChatCompletionRequest
+from .schemas import CalledFunction, ChatCompletionRequest
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -53,6 +55,8 @@ class PreparedChat:
     params: SamplingParams
     completion_id: str
     created: int
+    # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
+    model_name: str
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
@@ -78,20 +82,16 @@ class ChatCompletions:
 
     @property
     def model_name(self) -> str:
-        """Return the name clients use for the served model."""
+        """Return the name replies carry when the request named no model."""
         return self.settings.served_model_name
 
     def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
         """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
-        if request.model not in (None, "", self.model_name):
-            raise NotFound(
-                f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+        model_name = resolve_model_name(self.settings, request.model)
+        request = as_tools_request(request)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
-        check_prompt_text("".join(message["content"] for message in messages))
+        check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
         if tools and not self.engine.template.supports_tools:
             raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
@@ -108,6 +108,7 @@ class ChatCompletions:
             params=self._sampling_params(request, len(prompt_ids), grammar),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
+            model_name=model_name,
         )
 
     @staticmethod
@@ -129,7 +130,7 @@ class ChatCompletions:
 
     def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""
-        limit, limit_name = self._token_limit()
+        limit, limit_name = self.token_limit()
         room = limit - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
@@ -165,7 +166,17 @@ class ChatCompletions:
             grammar=grammar,
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
+            logit_bias=self._logit_bias(request),
         )
+
+    def _logit_bias(self, request: ChatCompletionRequest) -> tuple[tuple[int, float], ...]:
+        """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
+        vocab_size = self.engine.template.vocab_size
+        for token_id in map(int, request.logit_bias or {}):
+            if token_id >= vocab_size:
+                raise InvalidRequest(f"invalid 'logit_bias': {token_id} is not a token id of this model (its ids run "
+                                     f"from 0 to {vocab_size - 1})", param="logit_bias")
+        return request.token_biases
 
     def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
         """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
@@ -175,7 +186,7 @@ class ChatCompletions:
         configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
         return float(configured) if configured is not None else 1.0
 
-    def _token_limit(self) -> tuple[int, str]:
+    def token_limit(self) -> tuple[int, str]:
         """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
 
         The model's context, unless the worker's KV budget (KV_CACHE_MB) is smaller: a request
@@ -220,7 +231,7 @@ class ChatCompletions:
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
-            "model": self.model_name,
+            "model": prepared.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
             "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                          "finish_reason": finish_reason}],
@@ -257,19 +268,19 @@ class ChatCompletions:
                     yield PING
                 elif isinstance(event, TextDelta):
                     logprobs += map(render_logprob, event.logprobs)
-                    for delta in self._deltas(parser, event.text):
+                    for delta in self._deltas(prepared, parser, event.text):
                         yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
                         logprobs = []
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
                         break
-                    for delta in self._deltas(parser, None):
+                    for delta in self._deltas(prepared, parser, None):
                         yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
                         logprobs = []
                     if logprobs:
                         yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
-                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(event, parser)))
+                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
                         usage_chunk.update(choices=[], usage=self._usage(event).model_dump())
@@ -283,18 +294,26 @@ class ChatCompletions:
             source.cancel()
 
     @staticmethod
-    def _deltas(parser: ToolCallParser | None, text: str | None) -> list[dict]:
-        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out."""
+    def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out
+        (as the legacy `function_call` for a request that sent `functions`)."""
         if parser is None:
             return [{"content": text}] if text else []
         content, calls = parser.feed(text) if text is not None else parser.finish()
-        return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
+        deltas = [{"content": content}] if content else []
+        if calls and prepared.request.legacy_functions:
+            piece = function_call_delta(calls)
+            deltas += [{"function_call": piece}] if piece is not None else []
+        elif calls:
+            deltas.append({"tool_calls": calls})
+        return deltas
 
     @staticmethod
-    def _finish_reason(finished: Finished, parser: ToolCallParser | None) -> str:
-        """Return OpenAI's finish reason: `tool_calls` when a reply that ended by itself called tools."""
+    def _finish_reason(prepared: PreparedChat, finished: Finished, parser: ToolCallParser | None) -> str:
+        """Return OpenAI's finish reason: `tool_calls` (legacy: `function_call`) when a reply that ended by itself
+        called tools."""
         if parser is not None and parser.calls and finished.finish_reason == "stop":
-            return "tool_calls"
+            return "function_call" if prepared.request.legacy_functions else "tool_calls"
         return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:
@@ -321,7 +340,10 @@ class ChatCompletions:
             content, deltas = parser.feed(text)
             rest, last_deltas = parser.finish()
             text, calls = content + rest, merge_deltas(deltas + last_deltas)
-        if calls:
+        if calls and prepared.request.legacy_functions:
+            message = AssistantMessage(role="assistant", content=text or None,
+                                       function_call=CalledFunction(**calls[0]["function"]))
+        elif calls:
             message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
         else:
             message = AssistantMessage(role="assistant", content=text)
@@ -329,14 +351,14 @@ class ChatCompletions:
             id=prepared.completion_id,
             object="chat.completion",
             created=prepared.created,
-            model=self.model_name,
+            model=prepared.model_name,
             system_fingerprint=self.engine.fingerprint or None,
             choices=[
                 Choice(
                     index=0,
                     message=message,
                     logprobs={"content": logprobs} if prepared.params.logprobs else None,
-                    finish_reason=self._finish_reason(finished, parser),
+                    finish_reason=self._finish_reason(prepared, finished, parser),
                 )
             ],
             usage=self._usage(finished),

@@ -23,7 +23,7 @@ def check_message_count(message_count: int, settings) -> None:
         )
 
 
-def check_prompt_text(prompt: str) -> None:
+def check_prompt_text(prompt: str, param: str = "messages") -> None:
     """Refuse text that is not Unicode, such as a lone surrogate from a JSON "\\ud800" escape.
 
     JSON lets a client escape half of a UTF-16 pair; Python keeps it in the string, and the
@@ -33,8 +33,8 @@ def check_prompt_text(prompt: str) -> None:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequest(
-            "the messages contain a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not a character",
-            param="messages",
+            f"'{param}' contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not a character",
+            param=param,
         ) from None
 
 

@@ -12,6 +12,7 @@ from pydantic.json_schema import models_json_schema
 
 from .protocol import RESPONSE_MODELS
 from .schemas import ChatCompletionRequest
+from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("openapi", __name__)
 
@@ -31,6 +32,15 @@ ERROR = _json("ErrorResponse", "An error in OpenAI's shape (400, 404, 405, 413, 
 def _get(summary: str, ok: dict) -> dict:
     """Describe a GET operation."""
     return {"get": {"summary": summary, "responses": {"200": ok, "default": ERROR}}}
+
+
+def _post(summary: str, request_schema: str, ok: dict) -> dict:
+    """Describe a POST operation with a JSON body."""
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=request_schema)}}}},
+        "responses": {"200": ok, "default": ERROR},
+    }}
 
 
 def _paths() -> dict:
@@ -54,9 +64,17 @@ def _paths() -> dict:
                 "responses": {"200": chat_ok, "default": ERROR},
             }
         },
-        "/v1/models": _get("List the served model.", _json("ModelList", "The one served model.")),
+        "/tokenize": _post(
+            "Turn text (`content` or `prompt`) or a conversation (`messages`, through the chat template) into token ids.",
+            "TokenizeRequest", _json("TokenizeResponse", "The token ids, their count and the longest sequence allowed."),
+        ),
+        "/detokenize": _post(
+            "Turn token ids back into text.", "DetokenizeRequest", _json("DetokenizeResponse", "The text, under both names."),
+        ),
+        "/v1/models": _get("List every name the served model answers to.", _json("ModelList", "The accepted names.")),
         "/v1/models/{model_id}": {
-            **_get("Describe the served model; any other id is a 404.", _json("Model", "The served model.")),
+            **_get("Describe the served model under one of its names; any other id is a 404 `model_not_found`.",
+                   _json("Model", "The served model.")),
             "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
         },
         "/healthz": _get("Liveness: answers while the process is alive.", _json("Health", "Alive.")),
@@ -89,7 +107,8 @@ def _paths() -> dict:
 def openapi_document() -> dict:
     """Build the OpenAPI document (once per process)."""
     # Responses in serialization mode: a field with a default is optional, as rendering leaves it out when unset.
-    models = [(ChatCompletionRequest, "validation"), *((model, "serialization") for model in RESPONSE_MODELS)]
+    requests = (ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = [*((model, "validation") for model in requests), *((model, "serialization") for model in RESPONSE_MODELS)]
     _, schemas = models_json_schema(models, ref_template=REF)
     return {
         "openapi": "3.1.0",

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ErrorResponse
-from .schemas import MAX_TOP_LOGPROBS, ToolCall
+from .schemas import MAX_TOP_LOGPROBS, CalledFunction, ToolCall
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
 Count = Annotated[int, Field(ge=0)]
 Byte = Annotated[int, Field(ge=0, le=255)]
@@ -80,11 +80,13 @@ LogprobsField = Annotated[
 
 
 class AssistantMessage(_Response):
-    """The reply; `content` is null when the reply is tool calls alone."""
+    """The reply; `content` is null when the reply is tool calls alone (or, for a request that sent the legacy
+    `functions`, its one `function_call`)."""
 
     role: Literal["assistant"]
     content: str | None
     tool_calls: Annotated[list[ToolCall], Field(min_length=1)] = omitted()
+    function_call: CalledFunction = omitted()
 
 
 class Choice(_Response):
@@ -126,11 +128,13 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    """What a chunk adds to the reply: the role first, then content or tool-call pieces."""
+    """What a chunk adds to the reply: the role first, then content or tool-call pieces (for a request that sent
+    the legacy `functions`, `function_call` pieces: the name first, then `arguments` text)."""
 
     role: Literal["assistant"] = omitted()
     content: str = omitted()
     tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] = omitted()
+    function_call: DeltaFunctionCall = omitted()
 
 
 class ChunkChoice(_Response):
@@ -158,7 +162,7 @@ class ChatCompletionChunk(_Response):
 
 
 class Model(_Response):
-    """The served model."""
+    """The served model, under one of the names it answers to."""
 
     id: str
     object: Literal["model"]
@@ -167,10 +171,27 @@ class Model(_Response):
 
 
 class ModelList(_Response):
-    """The models this server serves: one."""
+    """The names the one served model answers to: MODEL_NAME's aliases, then the model's own id."""
 
     object: Literal["list"]
     data: list[Model]
+
+
+class TokenizeResponse(_Response):
+    """The token ids of `POST /tokenize` (llama.cpp's `tokens`; vLLM's `tokens`, `count` and `max_model_len`)."""
+
+    tokens: list[Count]
+    count: Count
+    max_model_len: Annotated[Count, Field(description="The most tokens one sequence, prompt and reply, may hold "
+                                                      "on this server: the model's context, or the worker's KV budget "
+                                                      "when smaller.")]
+
+
+class DetokenizeResponse(_Response):
+    """The text of `POST /detokenize`, under vLLM's name (`prompt`) and llama.cpp's (`content`)."""
+
+    prompt: str
+    content: str
 
 
 class Health(_Response):
@@ -192,4 +213,5 @@ class Readiness(_Response):
     waiting: Count
 
 
-RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, Health, Readiness)
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, TokenizeResponse, DetokenizeResponse,
+                   Health, Readiness)

@@ -10,32 +10,36 @@ from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds of logit_bias: entries, and each value (-100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 INT64 = 2**63 - 1
 # OpenAI's rule for function and schema names.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Strict types (no "1" for 1, no NaN), unknown fields ignored as OpenAI's clients expect."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """One text part of a message given as a list of parts."""
 
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     """The function an assistant message called, with its arguments as a JSON text."""
 
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """One tool call of an earlier assistant message."""
 
     id: str
@@ -43,15 +47,17 @@ class ToolCall(_Strict):
     function: CalledFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One message of the conversation."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null only on an assistant message that carries tool_calls.
+    # `function` is the legacy role of a function's result, answering an assistant's `function_call`.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # null only on an assistant message that carries tool_calls (or the legacy function_call).
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: CalledFunction | None = None
 
     @property
     def text(self) -> str:
@@ -63,9 +69,12 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
-        """Return the message as the chat template expects it (tool arguments as objects, as templates print them)."""
+        """Return the message as the chat template expects it (tool arguments as objects, as templates print them;
+        `name` kept for the templates that render it, as transformers and vLLM pass it)."""
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",
@@ -80,7 +89,7 @@ class ChatMessage(_Strict):
 FunctionName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     """A function the model may call; `parameters` is a JSON schema of its arguments."""
 
     name: FunctionName
@@ -94,39 +103,39 @@ class FunctionDefinition(_Strict):
         return self.parameters if self.parameters is not None else {"type": "object"}
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """A tool the model may call: only functions exist."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     """The function a named tool_choice forces."""
 
     name: FunctionName
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """A tool_choice that forces one function."""
 
     type: Literal["function"]
     function: FunctionChoice
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """Free text, the default."""
 
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(StrictModel):
     """Any JSON object."""
 
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     """A named JSON schema the reply must follow."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -137,14 +146,14 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """JSON following a schema."""
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """Options of a streamed reply."""
 
     include_usage: bool = False
@@ -153,7 +162,7 @@ class StreamOptions(_Strict):
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictModel):
     """A `POST /v1/chat/completions` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -179,6 +188,25 @@ class ChatCompletionRequest(_Strict):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
+    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
+    function_call: Literal["none", "auto"] | FunctionChoice | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
+        None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
+        "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value):
+        """Allow at most 300 entries, each keyed by a token id written as a decimal integer, as OpenAI does."""
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, not {len(value)}")
+        for key in value:
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"the key {key!r} is not a token id (a non-negative integer as a string, such as \"1234\")")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -228,6 +256,16 @@ class ChatCompletionRequest(_Strict):
         return []
 
     @property
+    def legacy_functions(self) -> bool:
+        """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
+        return self.functions is not None
+
+    @property
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
+        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
+
+    @property
     def json_schema(self) -> dict | None:
         """Return the schema the reply must follow under response_format, or None for free text."""
         if isinstance(self.response_format, JsonObjectFormat):
@@ -271,26 +309,48 @@ def _param_name(location: tuple) -> str:
     return name
 
 
-def _check_messages(request: ChatCompletionRequest) -> None:
+def check_messages(messages: list[ChatMessage]) -> None:
     """Check what one field's type cannot: which role carries which tool field, and the arguments' JSON."""
-    for index, message in enumerate(request.messages):
+    for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if message.tool_calls is not None and message.role != "assistant":
             raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
         if message.role == "tool" and message.tool_call_id is None:
             raise InvalidRequest(f"'{where}.tool_call_id' is a required property of tool messages", param=f"{where}.tool_call_id")
-        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        if message.function_call is not None and message.role != "assistant":
+            raise InvalidRequest(f"'{where}.function_call' is only allowed on assistant messages",
+                                 param=f"{where}.function_call")
+        if message.role == "function" and message.name is None:
+            raise InvalidRequest(f"'{where}.name' is a required property of function messages", param=f"{where}.name")
+        if message.content is None and not (message.role == "assistant" and (message.tool_calls or message.function_call)):
             raise InvalidRequest(f"'{where}.content' is a required property", param=f"{where}.content")
-        for call_index, call in enumerate(message.tool_calls or []):
-            param = f"{where}.tool_calls[{call_index}].function.arguments"
+        called = [(f"{where}.tool_calls[{index}].function", call.function) for index, call in enumerate(message.tool_calls or [])]
+        if message.function_call is not None:
+            called.append((f"{where}.function_call", message.function_call))
+        for place, function in called:
+            param = f"{place}.arguments"
             try:
-                arguments = nesting.loads(call.function.arguments)
+                arguments = nesting.loads(function.arguments)
             except nesting.TooDeep as exc:
                 raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
             except ValueError:
                 raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
             if not isinstance(arguments, dict):
                 raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
+
+
+def _check_function_fields(request: ChatCompletionRequest) -> None:
+    """Check the legacy functions and function_call as tools and tool_choice are checked, and never beside them."""
+    if request.functions is not None and (request.tools is not None or request.tool_choice is not None):
+        raise InvalidRequest("'functions' cannot be combined with 'tools' or 'tool_choice'; send one form", param="functions")
+    if request.function_call is not None and request.functions is None:
+        raise InvalidRequest("'function_call' is only allowed when 'functions' are given", param="function_call")
+    names = [function.name for function in request.functions or []]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("invalid 'functions': names must be unique", param="functions")
+    if isinstance(request.function_call, FunctionChoice) and request.function_call.name not in names:
+        raise InvalidRequest(f"invalid 'function_call': no function named '{request.function_call.name}' is in "
+                             "'functions'", param="function_call")
 
 
 def _check_tool_fields(request: ChatCompletionRequest) -> None:
@@ -310,32 +370,43 @@ def _check_tool_fields(request: ChatCompletionRequest) -> None:
         raise InvalidRequest("'top_logprobs' is only allowed when 'logprobs' is true", param="top_logprobs")
 
 
-def parse_chat_request(body) -> ChatCompletionRequest:
-    """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
+def parse_body(model: type[BaseModel], body):
+    """Validate a decoded JSON body as `model`, raising InvalidRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
-        # whose tag (its literal `type`) matched says more than those whose tag did not.
-        errors = exc.errors(include_url=False)
-        mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
-        first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
-        param = _param_name(first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "missing":
-            message = f"'{param}' is a required property"
-        elif param == "n":
-            message = "only n=1 is supported"
-        elif first["type"] == "literal_error":
-            # Each alternative of a union names only its own values; the client needs all of them.
-            expected = [error["ctx"]["expected"] for error in errors
-                        if error["type"] == "literal_error" and _param_name(error["loc"]) == param]
-            message = f"invalid '{param}': expected {' or '.join(expected)}"
-        else:
-            message = f"invalid '{param}': {message}"
-        raise InvalidRequest(message, param=param or None) from None
-    _check_messages(request)
+        raise invalid_request_from(exc) from None
+
+
+def invalid_request_from(exc: ValidationError) -> InvalidRequest:
+    """Turn pydantic's errors into one InvalidRequest naming the field at fault."""
+    # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
+    # whose tag (its literal `type`) matched says more than those whose tag did not.
+    errors = exc.errors(include_url=False)
+    mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
+    first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
+    param = _param_name(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = f"'{param}' is a required property"
+    elif param == "n":
+        message = "only n=1 is supported"
+    elif first["type"] == "literal_error":
+        # Each alternative of a union names only its own values; the client needs all of them.
+        expected = [error["ctx"]["expected"] for error in errors
+                    if error["type"] == "literal_error" and _param_name(error["loc"]) == param]
+        message = f"invalid '{param}': expected {' or '.join(expected)}"
+    else:
+        message = f"invalid '{param}': {message}"
+    return InvalidRequest(message, param=param or None)
+
+
+def parse_chat_request(body) -> ChatCompletionRequest:
+    """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
+    request = parse_body(ChatCompletionRequest, body)
+    check_messages(request.messages)
+    _check_function_fields(request)
     _check_tool_fields(request)
     return request

@@ -53,7 +53,9 @@ class Settings(BaseSettings):
         "`make serve` builds (random weights).",
     )
     model_name: str = Field(
-        "", description="Name served in `/v1/models` and responses; defaults to the folder name or hub id."
+        "", description="Comma-separated aliases accepted besides the model's own id (a hub id as given, a "
+        "folder's name); all are listed in `/v1/models`, and replies carry the name the request sent, else "
+        "the first alias, else the model's id."
     )
     dtype: str = Field(
         "int8", description="Weight format: int8 (Linear weights as int8 with a scale per row) or int4 (groups "
@@ -245,9 +247,22 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def model_id(self) -> str:
+        """Return the model's own id: a hub id whole, as vLLM serves it, or a local folder's name."""
+        folder = Path(self.model).expanduser()
+        if folder.is_dir() or folder.is_absolute() or self.model.startswith((".", "~")):
+            return folder.name or self.model
+        return self.model
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Return every name a request may send for the model: the aliases of MODEL_NAME, then its id."""
+        return tuple(dict.fromkeys([*_split_list(self.model_name), self.model_id]))
+
+    @property
     def served_model_name(self) -> str:
-        """Return the model name clients see."""
-        return self.model_name or Path(self.model.rstrip("/")).name or self.model
+        """Return the name replies carry when the request named none: the first alias, else the model's id."""
+        return self.served_model_names[0]
 
     # Counted once, when the settings are read (in Gunicorn's master): a pinned worker sees only its
     # own cores afterwards, and would count itself as the only worker.

@@ -9,8 +9,8 @@ Gunicorn parses from memory before it runs the app. Keep-alive connections wait 
 between requests.
 
 Admission happens in the loop too, before any wait: a POST (a chat completion, the only request that
-holds its thread for long: it streams, waits for a whole reply or follows an identical request) takes
-one of the worker's MAX_RUNNING + MAX_QUEUE places until its response ends, or is refused with a 503
+holds its thread for long: it streams, waits for a whole reply or follows an identical request; a
+quick /tokenize or /detokenize is counted alike) takes one of the worker's MAX_RUNNING + MAX_QUEUE places until its response ends, or is refused with a 503
 at once when none is free, as soon as its head has arrived (before a `100 Continue`, so a full
 worker never makes a client upload the body it refuses). The worker has a thread per place plus
 SPARE_HTTP_THREADS, so a request that got a place always gets a thread, and probes, scrapes and

@@ -279,11 +279,12 @@ def test_max_tokens_above_configured_limit_gets_400(make_settings, engine):
     assert "8" in response.get_json()["error"]["message"]
 
 
-def test_models_lists_the_served_model(client):
+def test_models_lists_the_alias_then_the_folder_name(client, tiny_model_dir):
     body = client.get("/v1/models").get_json()
     assert body["object"] == "list"
-    assert [model["id"] for model in body["data"]] == ["tiny"]
+    assert [model["id"] for model in body["data"]] == ["tiny", tiny_model_dir.name]
     assert client.get("/v1/models/tiny").get_json()["object"] == "model"
+    assert client.get(f"/v1/models/{tiny_model_dir.name}").get_json()["id"] == tiny_model_dir.name
     assert client.get("/v1/models/other").status_code == 404
 
 

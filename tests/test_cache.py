@@ -96,6 +96,7 @@ def test_key_is_stable_and_changes_with_every_output_changing_input():
                 {"max_tokens": 11}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5}, {"seed": 1},
                 {"stop": ("\n",)}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
                 {"repetition_penalty": 1.1}, {"grammar": '{"grammars": []}'}, {"top_logprobs": 2},
+                {"logit_bias": ((5, 1.0),)}, {"logit_bias": ((5, -1.0),)}, {"logit_bias": ((6, 1.0),)},
             )
         ),
     ]

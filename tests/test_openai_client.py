@@ -25,8 +25,8 @@ def streamed(client, **params) -> tuple[str, list]:
     return text, chunks
 
 
-def test_models_list_names_the_served_model(client):
-    assert [model.id for model in client.models.list()] == ["tiny"]
+def test_models_list_names_the_alias_then_the_folder_name(client, tiny_model_dir):
+    assert [model.id for model in client.models.list()] == ["tiny", tiny_model_dir.name]
 
 
 def test_non_streaming_create_returns_a_typed_completion(client):

@@ -16,6 +16,7 @@ USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 FORCED_CALL = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}],
     "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40}
+LEGACY_CALL = {"functions": [FORCED_CALL["tools"][0]["function"]], "function_call": {"name": "f"}, "max_tokens": 40}
 # Werkzeug adds HEAD to every GET and the app answers no OPTIONS (service/errors.py): neither is documented.
 IMPLICIT_METHODS = {"HEAD", "OPTIONS"}
 
@@ -69,9 +70,18 @@ def test_document_lists_exactly_the_routes_and_methods_the_app_serves(make_setti
         ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}, 200),
         ("post", "/v1/chat/completions", None,
          {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "stream": True}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, **LEGACY_CALL}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, **LEGACY_CALL, "stream": True}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "logit_bias": {"9707": 100}}, 200),
+        ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "logit_bias": {"9707": 101}}, 400),
         ("post", "/v1/chat/completions", None, {"messages": USER, "temperature": 9}, 400),
         ("post", "/v1/chat/completions", None, {"messages": USER, "model": "gpt-4o"}, 404),
         ("post", "/v1/chat/completions", None, "plain text", 415),
+        ("post", "/tokenize", None, {"content": "Hello"}, 200),
+        ("post", "/tokenize", None, {"messages": USER, "add_generation_prompt": False}, 200),
+        ("post", "/tokenize", None, {"prompt": 5}, 400),
+        ("post", "/detokenize", None, {"tokens": [9707, 1879]}, 200),
+        ("post", "/detokenize", None, {"tokens": [True]}, 400),
         ("get", "/v1/models", None, None, 200),
         ("get", "/v1/models/tiny", "/v1/models/{model_id}", None, 200),
         ("get", "/v1/models/nope", "/v1/models/{model_id}", None, 404),

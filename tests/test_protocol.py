@@ -14,6 +14,7 @@ from service.errors import ErrorResponse
 from service.protocol import ChatCompletion, ChatCompletionChunk, Model, ModelList
 from service.schemas import parse_chat_request
 from service.sse import sse_data
+from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
@@ -35,7 +36,8 @@ def as_the_model_renders(frame: str) -> str:
     {"max_tokens": 60, "tools": TOOLS, "tool_choice": "required"},
     {"max_tokens": 8, "tools": TOOLS, "tool_choice": "auto", "logprobs": True},
     {"max_tokens": 8, "response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
-], ids=["plain", "usage", "logprobs", "forced-tools", "auto-tools-logprobs", "json-usage"])
+    {"max_tokens": 60, "functions": [tool["function"] for tool in TOOLS], "function_call": {"name": "g"}},
+], ids=["plain", "usage", "logprobs", "forced-tools", "auto-tools-logprobs", "json-usage", "legacy-function-call"])
 def test_every_streamed_chunk_renders_exactly_as_the_model_renders_it(default_server, body):
     response = requests.post(f"{default_server.url}/v1/chat/completions",
                              json={"messages": USER, "stream": True, **body}, timeout=60)
@@ -46,6 +48,9 @@ def test_every_streamed_chunk_renders_exactly_as_the_model_renders_it(default_se
         assert as_the_model_renders(frame) == frame
     if body.get("tool_choice") == "required":
         assert '"tool_calls":[{"index":0,"id":"call_' in response.text
+    if "functions" in body:
+        assert '"delta":{"function_call":{"name":"g","arguments":' in response.text and '"tool_calls"' not in response.text
+        assert '"finish_reason":"function_call"' in response.text
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,9 @@ def test_chunks_of_awkward_values_render_exactly_as_the_model_renders_them(chat,
         chat._chunk(prepared, {"role": "assistant", "content": ""}),
         chat._chunk(prepared, {"content": AWKWARD_TEXT}, logprobs=entries),
         chat._chunk(prepared, {"tool_calls": [header, piece]}),
+        chat._chunk(prepared, {"function_call": {"name": AWKWARD_TEXT, "arguments": '{"n": 1'}}),
+        chat._chunk(prepared, {"function_call": {"arguments": AWKWARD_TEXT}}),
+        chat._chunk(prepared, {}, "function_call"),
         chat._chunk(prepared, {}, "tool_calls"),
         chat._chunk(prepared, {}, "length", logprobs=entries[1:]),
     ]
@@ -105,4 +113,5 @@ def test_whole_replies_and_models_leave_out_what_openai_leaves_out(default_serve
     message = ChatCompletion.model_validate(called.json()).choices[0].message
     assert message.content is None and len(message.tool_calls) == 1 and called.json()["choices"][0]["message"]["content"] is None
     models = ModelList.model_validate(requests.get(f"{url}/v1/models", timeout=10).json())
-    assert [model.id for model in models.data] == [Model.model_validate(requests.get(f"{url}/v1/models/tiny", timeout=10).json()).id]
+    assert [model.id for model in models.data] == [
+        Model.model_validate(requests.get(f"{url}/v1/models/{name}", timeout=10).json()).id for name in ("tiny", TINY_MODEL_DIR.name)]

@@ -10,6 +10,7 @@ from service.engine.sampling import (
     GREEDY_BELOW_TEMPERATURE,
     Sampler,
     SamplingParams,
+    biased,
     candidate_floors,
     kept_floors,
     penalized,
@@ -140,6 +141,21 @@ def test_penalties_lower_the_tokens_a_reply_already_holds():
     sampler.record(4)
     assert sample_tokens([sampler], logits) == [7]
     assert logits[0, 4] == 3.0  # the caller's logits are left as they were
+
+
+def test_logit_bias_is_added_to_its_own_row_alone_in_one_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 10).bfloat16()
+    biases = [((2, 100.0), (5, -0.5)), (), ((0, -100.0),), ((2, 1.25), (9, 7.0))]
+    samplers = [Sampler(SamplingParams(max_tokens=1, temperature=0.0, logit_bias=bias), 10) for bias in biases]
+    expected = logits.float().clone()
+    for row, bias in enumerate(biases):
+        for token, value in bias:
+            expected[row, token] += value
+    assert torch.equal(biased(samplers, logits), expected)
+    assert sample_tokens(samplers, biased(samplers, logits))[0] == 2
+    unbiased = logits[1:2]
+    assert biased(samplers[1:2], unbiased) is unbiased  # no row with a bias: no copy
 
 
 def test_non_finite_logits_raise_instead_of_drawing():

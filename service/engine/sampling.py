@@ -43,6 +43,8 @@ class SamplingParams:
     grammar: str | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's logit_bias: (token id, value) pairs, by id, added to the model's logits before anything else.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -74,11 +76,18 @@ class Sampler:
     # Each token of the prompt and the reply once, in order of first sight (repetition_penalty only).
     seen_ids: list[int] | None = field(init=False, default=None)
     _seen: set[int] = field(init=False, default_factory=set, repr=False)
+    # logit_bias as tensors, built once: the ids it moves and by how much.
+    bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
+    bias_values: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self, prompt_ids: Sequence[int]):
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32)
+        if self.params.logit_bias:
+            ids, values = zip(*self.params.logit_bias)
+            self.bias_ids = torch.tensor(ids, dtype=torch.long)
+            self.bias_values = torch.tensor(values, dtype=torch.float32)
         if self.params.repetition_penalty != 1.0:
             self.seen_ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
             self._seen.update(self.seen_ids)
@@ -96,6 +105,22 @@ class Sampler:
         if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
             self._seen.add(token_id)
             self.seen_ids.append(token_id)
+
+
+def biased(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """Return the logits [rows, vocab] with each row's logit_bias added (float32, a new tensor), or as they
+    are when no row has one.
+
+    Every row's pairs go in with one indexed add over the batch, whatever the number of rows.
+    """
+    rows = [row for row, sampler in enumerate(samplers) if sampler.bias_ids is not None]
+    if not rows:
+        return logits
+    ids = torch.cat([samplers[row].bias_ids for row in rows])
+    values = torch.cat([samplers[row].bias_values for row in rows])
+    counts = torch.tensor([samplers[row].bias_ids.shape[0] for row in rows])
+    row_index = torch.repeat_interleave(torch.tensor(rows), counts)
+    return logits.float().index_put_((row_index, ids), values, accumulate=True)
 
 
 def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:

@@ -16,7 +16,7 @@ from .grammar import mask_logits
 from .kvcache import new_cache, reserve
 from .memory import reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
-from .sampling import Sampler, TokenLogprobs, sample_tokens, token_logprobs
+from .sampling import Sampler, TokenLogprobs, biased, sample_tokens, token_logprobs
 from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)
@@ -328,7 +328,8 @@ class Scheduler:
                 )
                 if not sequence.next_input:
                     self.prefixes.store_cache(sequence.generation.input_ids, sequence.cache)
-                    mask_logits(output.logits[0, -1:], [sequence.generation.grammar])
+                    logits = biased([sequence.sampler], output.logits[0, -1:])
+                    mask_logits(logits, [sequence.generation.grammar])
             elapsed = time.monotonic() - began
             sequence.prompt_seconds += elapsed
             log.debug("prompt chunk: %d tokens in %.3f s on %d threads", len(chunk), elapsed, self.cores.threads)
@@ -339,7 +340,6 @@ class Scheduler:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
             if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
                 return False
-            logits = output.logits[0, -1:]
             token_id = sample_tokens([sequence.sampler], logits)[0]
             return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
         except Exception as exc:  # one bad prompt must not stop the others
@@ -363,8 +363,9 @@ class Scheduler:
             with torch.inference_mode():
                 logits = batch.step(self.model, [sequence.next_input[0] for sequence in active])
                 forward_done = time.perf_counter()
+                samplers = [sequence.sampler for sequence in active]
+                logits = biased(samplers, logits)
                 mask_logits(logits, [sequence.generation.grammar for sequence in active])
-            samplers = [sequence.sampler for sequence in active]
             token_ids = sample_tokens(samplers, logits)
             logprobs = token_logprobs(samplers, logits, token_ids)
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving

@@ -27,8 +27,14 @@ class ChatTemplate:
             return False
         return "tools" in meta.find_undeclared_variables(Environment().parse(template))
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """Render a conversation through the model's chat template, ready for the reply.
+    @property
+    def vocab_size(self) -> int:
+        """Return how many token ids the tokenizer knows (its vocabulary and added tokens); valid ids are below it."""
+        return len(self.tokenizer)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
+        """Render a conversation through the model's chat template, ready for the reply (or, without the
+        generation prompt, as it stands).
 
         Raise TemplateRefused when the template rejects the conversation: many templates call
         raise_exception() on a role order they do not support (two system messages, a conversation
@@ -36,23 +42,31 @@ class ChatTemplate:
         the request's, and raises as it is.
         """
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         except TemplateSyntaxError:
             raise
         except TemplateError as exc:
             raise TemplateRefused(str(exc)) from None
 
-    def encode(self, prompt: str) -> list[int]:
-        """Turn a rendered prompt into token ids (special tokens as the template wrote them)."""
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    def encode(self, prompt: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Turn a rendered prompt into token ids (special tokens as the template wrote them; with
+        `add_special_tokens`, the tokenizer's own BOS or EOS added, for the models that have them)."""
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Render a conversation for the reply and tokenize it, message text as ordinary text."""
+    def decode(self, token_ids: list[int]) -> str:
+        """Turn token ids back into the text they stand for, special tokens included, spaces as they are."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Render a conversation (for the reply, unless told otherwise) and tokenize it, message text as ordinary text."""
         if self.trust_control_tokens:
-            return self.encode(self.render(messages, tools))
+            return self.encode(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
+                sanitize_control_tokens=True,
             )
         except TemplateSyntaxError:
             raise
