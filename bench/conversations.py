@@ -153,8 +153,8 @@ def with_peer(scratch: Path, peer_model: Path, measure) -> dict:
         server.stop()
 
 
-def run(sizes: Sizes, peer: bool) -> dict:
-    """Run the rounds; return every round's figures."""
+def run(sizes: Sizes, peer: bool, settings: dict | None = None) -> dict:
+    """Run the rounds (`settings` for the multi-turn corechat server); return every round's figures."""
     from service.devmodel import build_dev_model
 
     model_dir = CACHE_DIR / ("test-tiny" if sizes.preset == "tiny" else f"bench-{sizes.preset}")
@@ -172,7 +172,7 @@ def run(sizes: Sizes, peer: bool) -> dict:
             figures = {}
             progress("corechat, default shape: multi-turn")
             figures["corechat"] = with_corechat(scratch, model_dir, lambda url: {"multi_turn": multi_turn(url, sizes)},
-                                                max_model_len=CONTEXT_TOKENS)
+                                                **{"max_model_len": CONTEXT_TOKENS, **(settings or {})})
             if peer_model is not None:
                 progress("llama-server: multi-turn, short behind long")
                 figures["llama.cpp"] = with_peer(scratch, peer_model, lambda url: {
@@ -182,7 +182,7 @@ def run(sizes: Sizes, peer: bool) -> dict:
                 scratch, model_dir, lambda url: {"short_behind_long": short_behind_long(url, sizes)},
                 workers=1, max_model_len=CONTEXT_TOKENS)
             rounds.append(figures)
-    return {"machine": machine(), "sizes": vars(sizes), "rounds": rounds}
+    return {"machine": machine(), "sizes": vars(sizes), "settings": settings or {}, "rounds": rounds}
 
 
 # Tables --------------------------------------------------------------------------------------
@@ -200,7 +200,8 @@ def render(name: str, results: dict) -> str:
     rounds, sizes, machine_facts = results["rounds"], results["sizes"], results["machine"]
     lines = [f"# {name}", "",
              f"{machine_facts['cpu']} ({machine_facts['physical_cores']} physical cores), {machine_facts['date']}, "
-             f"commit {machine_facts['commit']}; {len(rounds)} rounds, medians (range).", "",
+             f"commit {machine_facts['commit']}; {len(rounds)} rounds, medians (range)."
+             + "".join(f" Multi-turn corechat with {key.upper()}={value}." for key, value in results.get("settings", {}).items()), "",
              f"## Multi-turn: {sizes['sessions']} sessions x {sizes['turns']} turns, {sizes['reply_tokens']}-token replies", "",
              "| server | " + " | ".join(f"turn {turn + 1}" for turn in range(sizes["turns"])) + " | wall | reuse |",
              "|---|" + "---|" * (sizes["turns"] + 2)]
@@ -245,12 +246,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--name", help="results file name (default: conversations or conversations-quick)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a corechat setting of the multi-turn server, e.g. --set WORKERS=4 --set TORCH_THREADS=1")
     args = parser.parse_args()
     sizes = Sizes(args.quick)
     if args.rounds:
         sizes.rounds = args.rounds
     name = args.name or ("conversations-quick" if args.quick else "conversations")
-    results = run(sizes, peer=not args.no_peer)
+    settings = {name.lower(): value for name, value in (item.split("=", 1) for item in args.set)}
+    results = run(sizes, peer=not args.no_peer, settings=settings)
     save_results(name, results, render(name, results), args.results_dir)
     progress(f"wrote {args.results_dir / name}.json and .md")
 
