@@ -85,6 +85,7 @@ class ResponseCache:
                 connect_timeout=settings.cache_connect_timeout_seconds,
                 socket_timeout=settings.cache_socket_timeout_seconds,
                 wait_seconds=settings.cache_poll_seconds,
+                sentinel_password=settings.redis_sentinel_password.get_secret_value(),
             )
         else:
             store = LocalStore(settings.cache_local_entries)
