@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -30,7 +31,8 @@ SENTINEL_PASSWORD = "s3ntinel@pass:2"
 
 
 def test_sentinel_url_lists_each_sentinel_with_default_ports_ipv6_and_the_masters_decoded_credentials():
-    url = "redis+sentinel://cache-user:m%40ster%3Apass%2Fw%25rd%3F%231@10.0.0.1:26380,[::1],[fd00::2]:5000,sentinel-c/my%20master/3"
+    url = ("redis+sentinel://cache-user:m%40ster%3Apass%2Fw%25rd%3F%231@"
+           "10.0.0.1:26380,[::1],[fd00::2]:5000,sentinel-c/my%20master/3")
     assert parse_sentinel_url(url) == SentinelURL(
         sentinels=(("10.0.0.1", 26380), ("::1", 26379), ("fd00::2", 5000), ("sentinel-c", 26379)),
         master_name="my master", db=3, username="cache-user", password=MASTER_PASSWORD, ssl=False,
@@ -45,15 +47,24 @@ def test_sentinel_url_lists_each_sentinel_with_default_ports_ipv6_and_the_master
 @pytest.mark.parametrize("tail", [
     "h:26379", "h:26379/", "h:26379//0",  # no master name
     "h:0/m", "h:65536/m", "h:port/m", "h:/m", "h:-1/m", "h:\u00b2/m",  # bad ports
-    "::1/m", "::1:26379/m", "[::1/m", "[::1]26379/m", "[not-an-address]:1/m", "[]:1/m",  # IPv6 outside brackets, bad brackets
+    "::1/m", "::1:26379/m", "[::1/m", "[::1]26379/m", "[not-an-address]:1/m", "[]:1/m",  # IPv6 unbracketed or bad
     "/m", "h1,,h2/m", ":26379/m",  # a sentinel without a host
     "h/m/zero", "h/m/0/1", "h/m/0?ssl=true", "h/m#0",  # a bad database, options
 ])
 def test_a_malformed_sentinel_url_is_refused_without_quoting_it(tail):
-    url = f"redis+sentinel://:{MASTER_PASSWORD.replace('/', '%2F').replace('?', '%3F').replace('#', '%23')}@{tail}"
+    url = f"redis+sentinel://:{quote(MASTER_PASSWORD, safe='')}@{tail}"
     with pytest.raises(ValueError, match="^REDIS_URL: ") as refused:
         parse_sentinel_url(url)
-    assert "m@ster" not in str(refused.value) and tail not in str(refused.value)
+    assert "m%40ster" not in str(refused.value) and tail not in str(refused.value)
+
+
+def test_a_malformed_sentinel_url_stops_the_app_at_start_without_its_password(make_settings, engine):
+    from service import create_app
+
+    settings = make_settings(redis_url=f"redis+sentinel://:{quote(MASTER_PASSWORD, safe='')}@127.0.0.1:26379")
+    with pytest.raises(ValueError, match="names its master") as refused:
+        create_app(settings, engine=engine)
+    assert "m%40ster" not in str(refused.value) and "m@ster" not in str(refused.value)
 
 
 def test_rediss_sentinel_url_speaks_tls_to_the_sentinels_and_the_master():
@@ -84,7 +95,7 @@ class Reply:
 
 
 def whole_reply(response: requests.Response, streamed: bool) -> bool:
-    """Tell whether a reply's body is complete: a JSON reply with its text, or a stream ending in [DONE] with no error."""
+    """Tell whether a reply's body is whole: a JSON reply with its text, or a stream ending in [DONE] with no error."""
     if response.status_code != 200:
         return False
     if streamed:
