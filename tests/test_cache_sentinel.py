@@ -18,6 +18,7 @@ from redis.sentinel import SentinelManagedSSLConnection
 
 from sentinel_support import SentinelGroup
 from service.cache.connections import RedisConnector, SentinelURL, is_sentinel_url, parse_sentinel_url
+from service.settings import Settings
 from support import GunicornServer, RedisServer
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ def test_a_malformed_sentinel_url_stops_the_app_at_start_without_its_password(ma
     with pytest.raises(ValueError, match="names its master") as refused:
         create_app(settings, engine=engine)
     assert "m%40ster" not in str(refused.value) and "m@ster" not in str(refused.value)
+
+
+def test_sentinel_passwords_stay_out_of_the_settings_repr():
+    settings = Settings(redis_url=f"redis+sentinel://:{quote(MASTER_PASSWORD, safe='')}@h/corechat",
+                        redis_sentinel_password=SENTINEL_PASSWORD)
+    assert not any(secret in f"{settings!r} {settings}" for secret in ("m%40ster", SENTINEL_PASSWORD))
 
 
 def test_rediss_sentinel_url_speaks_tls_to_the_sentinels_and_the_master():
@@ -212,4 +219,6 @@ def test_killing_the_master_mid_load_fails_no_request_and_hits_resume_on_the_pro
         assert cached(server.url, fresh) == "miss"
         assert cached(server.url, fresh) == "hit"
         assert stored_replies(sentinel_group.replica) == before + 1
-        assert MASTER_PASSWORD not in server.log() and SENTINEL_PASSWORD not in server.log()
+        assert "response cache store failed" in server.log()
+        for secret in (MASTER_PASSWORD, quote(MASTER_PASSWORD, safe=""), SENTINEL_PASSWORD):
+            assert secret not in server.log()
