@@ -3,9 +3,8 @@
 Identical requests in flight at once cost one generation (single-flight: flights.py in a worker,
 runs.py across workers). Redis (one server, or the master a Sentinel group names) shares replies and
 flights across workers and hosts; without REDIS_URL each worker keeps its own in-process store with
-the same behaviour. Any store failure fails open: the request is served
-uncached and the store is left alone for a short while. With API keys, each key has its own replies
-unless CACHE_SCOPE=shared.
+the same behaviour. Any store failure fails open: the request is served uncached and the store is
+left alone for a short while. With API keys, each key has its own replies unless CACHE_SCOPE=shared.
 """
 
 import logging

@@ -98,20 +98,20 @@ class RedisConnector:
     def __init__(self, url: str, *, sentinel_socket_timeout: float, sentinel_password: str = "", **options):
         self._url = url
         self._options = options
+        self._target: SentinelURL | None = None
         self._sentinel: Sentinel | None = None
         if is_sentinel_url(url):
             self._target = parse_sentinel_url(url)
-            sentinel_options = {key: value for key, value in options.items() if key != "health_check_interval"}
             self._sentinel = Sentinel(self._target.sentinels, sentinel_kwargs={
-                **sentinel_options, "socket_timeout": sentinel_socket_timeout,
-                "password": sentinel_password or None, "ssl": self._target.ssl,
+                **options, "socket_timeout": sentinel_socket_timeout, "password": sentinel_password or None,
+                "ssl": self._target.ssl,
             })
 
     def client(self, socket_timeout: float) -> redis.Redis:
         """Return a new client whose calls wait at most socket_timeout for an answer."""
-        if self._sentinel is None:
-            return redis.Redis.from_url(self._url, socket_timeout=socket_timeout, **self._options)
         target = self._target
+        if target is None or self._sentinel is None:
+            return redis.Redis.from_url(self._url, socket_timeout=socket_timeout, **self._options)
         return self._sentinel.master_for(
             target.master_name, db=target.db, username=target.username, password=target.password, ssl=target.ssl,
             socket_timeout=socket_timeout, **self._options,
