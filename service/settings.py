@@ -152,7 +152,13 @@ class Settings(BaseSettings):
     # Cache
     redis_url: SecretStr = Field(
         SecretStr(""), description="Redis shared by every worker and host for the response cache (redis://, "
-        "rediss://, with password or ACL user; kept out of reprs and logs); empty keeps an in-process LRU per worker."
+        "rediss://, with password or ACL user; kept out of reprs and logs); empty keeps an in-process LRU per worker. "
+        "`redis+sentinel://[user:password@]host:26379,host2:26379/<master-name>/<db>` (rediss+sentinel:// for TLS) "
+        "asks those sentinels for the master and follows it through a failover (docs/cache.md)."
+    )
+    redis_sentinel_password: SecretStr = Field(
+        SecretStr(""), description="Password of the sentinels themselves (their requirepass), when REDIS_URL is a "
+        "redis+sentinel:// URL; the URL's own password is the master's. Empty: the sentinels ask for none."
     )
     cache_scope: Literal["key", "shared"] = Field(
         "key", description="With API_KEYS set, `key` gives each API key its own cached replies and "

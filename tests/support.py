@@ -203,12 +203,17 @@ class GunicornServer:
 
 
 class RedisServer:
-    """A throwaway redis-server on a free loopback port, without persistence (and with a password if given)."""
+    """A throwaway redis-server on a free loopback port, without persistence (and with a password if given).
 
-    def __init__(self, work_dir: Path, password: str = ""):
+    With `replica_of` it replicates that server (with the same password, which it also asks of its
+    own clients, so it can stand in for the master once promoted).
+    """
+
+    def __init__(self, work_dir: Path, password: str = "", replica_of: "RedisServer | None" = None):
         self.port = free_port()
         self.work_dir = work_dir
         self.password = password
+        self.replica_of = replica_of
         self.process: subprocess.Popen | None = None
 
     @property
@@ -224,7 +229,9 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.work_dir), *(["--requirepass", self.password] if self.password else [])],
+             "--dir", str(self.work_dir), *(["--requirepass", self.password, "--masterauth", self.password]
+                                            if self.password else []),
+             *(["--replicaof", "127.0.0.1", str(self.replica_of.port)] if self.replica_of else [])],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -1,11 +1,10 @@
 """The response cache: reproducible replies stored and replayed in their original chunks.
 
 Identical requests in flight at once cost one generation (single-flight: flights.py in a worker,
-runs.py across workers). Redis
-shares replies and flights across workers and hosts; without REDIS_URL each worker keeps its own
-in-process store with the same behaviour. Any store failure fails open: the request is served
-uncached and the store is left alone for a short while. With API keys, each key has its own replies
-unless CACHE_SCOPE=shared.
+runs.py across workers). Redis (one server, or the master a Sentinel group names) shares replies and
+flights across workers and hosts; without REDIS_URL each worker keeps its own in-process store with
+the same behaviour. Any store failure fails open: the request is served uncached and the store is
+left alone for a short while. With API keys, each key has its own replies unless CACHE_SCOPE=shared.
 """
 
 import logging
@@ -85,6 +84,7 @@ class ResponseCache:
                 connect_timeout=settings.cache_connect_timeout_seconds,
                 socket_timeout=settings.cache_socket_timeout_seconds,
                 wait_seconds=settings.cache_poll_seconds,
+                sentinel_password=settings.redis_sentinel_password.get_secret_value(),
             )
         else:
             store = LocalStore(settings.cache_local_entries)

@@ -12,6 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .connections import RedisConnector
+
 # Only the lock's holder may release it, renew it (and with it its flight stream) or write to the stream:
 # a leader whose lease lapsed can never write after the one that took over began. Acquiring is the same
 # SET NX PX as redis-py's Lock, and the lease is renewed from the flight's thread either way (Lock has
@@ -45,18 +47,23 @@ HEALTH_CHECK_SECONDS = 30
 
 
 class RedisStore:
-    """The shared store: one Redis (or Sentinel/Cluster front) for every worker and host."""
+    """The shared store: one Redis, or the master of a Sentinel group, for every worker and host."""
 
     stream_start = "0-0"
 
-    def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float, wait_seconds: float):
-        # No retries: a failed call fails fast and the caller serves uncached.
-        options = dict(socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                       health_check_interval=HEALTH_CHECK_SECONDS)
-        self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
+    def __init__(self, url: str, *, connect_timeout: float, socket_timeout: float, wait_seconds: float,
+                 sentinel_password: str = ""):
+        # No retries: a failed call fails fast and the caller serves uncached. Behind Sentinel, a call
+        # during a failover fails the same way, and a later one reaches the promoted master.
+        connector = RedisConnector(
+            url, sentinel_socket_timeout=socket_timeout, sentinel_password=sentinel_password,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=HEALTH_CHECK_SECONDS,
+        )
+        self.client = connector.client(socket_timeout)
         # A follower's blocking read waits up to wait_seconds on purpose: it gets its own connections
         # with a timeout that long plus the usual, so every other call can keep a short timeout.
-        self._waiting_client = redis.Redis.from_url(url, socket_timeout=socket_timeout + wait_seconds, **options)
+        self._waiting_client = connector.client(socket_timeout + wait_seconds)
         self._wait_seconds = wait_seconds
         self.errors = (redis.RedisError, OSError)
         self._release = self.client.register_script(RELEASE_SCRIPT)
