@@ -23,6 +23,7 @@ from .engine import (
     TextDelta,
     TokenLogprob,
     json_schema_grammar,
+    text_or_tool_call_grammar,
     tool_call_grammar,
 )
 from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
@@ -111,9 +112,11 @@ class ChatCompletions:
             model_name=model_name,
         )
 
-    @staticmethod
-    def _grammar(request: ChatCompletionRequest) -> str | None:
-        """Return the grammar the reply must follow (a forced tool call, or response_format), or None."""
+    def _grammar(self, request: ChatCompletionRequest) -> str | None:
+        """Return the grammar the reply must follow (a forced tool call, strict tools' calls under
+        `auto`, or response_format), or None."""
+        if request.strict_tools_under_auto:
+            return self._strict_auto_grammar(request)
         if request.forced_tools:
             functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
             try:
@@ -127,6 +130,22 @@ class ChatCompletions:
                 raise InvalidRequest(f"invalid 'response_format': the schema cannot be enforced: {exc}",
                                      param="response_format") from None
         return None
+
+    def _strict_auto_grammar(self, request: ChatCompletionRequest) -> str:
+        """Return the grammar of text or tool calls in which every strict tool's arguments follow its schema."""
+        if request.json_schema is not None:
+            raise InvalidRequest("'response_format' cannot be combined with strict tools under tool_choice 'auto'",
+                                 param="response_format")
+        markers = self.engine.template.tool_call_marker_ids
+        if markers is None:
+            raise InvalidRequest("strict tools cannot be enforced: the model's tokenizer has no tool-call tokens",
+                                 param="tools")
+        functions = [(tool.function.name, tool.function.arguments_schema if tool.function.strict else {"type": "object"})
+                     for tool in request.tools_offered]
+        try:
+            return text_or_tool_call_grammar(functions, request.parallel_tool_calls is not False, markers)
+        except GrammarRefused as exc:
+            raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
 
     def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
         """Fill omitted parameters from the model's generation config and check the lengths."""

@@ -256,6 +256,11 @@ class ChatCompletionRequest(StrictModel):
         return []
 
     @property
+    def strict_tools_under_auto(self) -> bool:
+        """Tell whether the model may answer in text or call a tool, and some tool's arguments must follow its schema."""
+        return self.effective_tool_choice == "auto" and any(tool.function.strict for tool in self.tools or [])
+
+    @property
     def legacy_functions(self) -> bool:
         """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
         return self.functions is not None

@@ -186,3 +186,46 @@ def test_every_constrained_reply_parses_and_validates_under_a_nested_schema(clie
         escapes += "\\" in choice.message.content
     assert len({completion.choices[0].message.content for completion in completions}) > CONSTRAINED_REPLIES // 2
     assert escapes, "no reply exercised string escapes"
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+# Qwen2.5's `<tool_call>` token: biased up, the random model opens a call at once.
+TOOL_CALL_OPEN_ID = "151657"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_strict_tools_under_auto_make_every_call_follow_its_schema(client, stream):
+    """Under tool_choice auto, a call the model opens (pushed by logit_bias here: a random model would
+    never choose one) is completed as the strict tool's schema says."""
+    request = dict(model="tiny", messages=ASK, tools=STRICT_TOOLS, tool_choice="auto", parallel_tool_calls=False,
+                   max_tokens=200, seed=3, logit_bias={TOOL_CALL_OPEN_ID: 100})
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert_calls_follow_the_schema(choice.message.tool_calls, {"get_weather", "get_time"})
+        return
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+    name = next(call.function.name for call in calls if call.function.name)
+    arguments = "".join(call.function.arguments or "" for call in calls)
+    Draft202012Validator({tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}[name]).validate(
+        json.loads(arguments))
+
+
+def test_strict_tools_under_auto_leave_a_text_reply_text(client):
+    """The same request without the push answers in text, which never spells out a call."""
+    for seed in range(5):
+        choice = client.chat.completions.create(model="tiny", messages=ASK, tools=STRICT_TOOLS, tool_choice="auto",
+                                                max_tokens=40, seed=seed).choices[0]
+        assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
+        assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_strict_tools_cannot_be_combined_with_response_format_under_auto(client):
+    """Two grammars for one reply are refused with the field named, not one of them silently dropped."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=ASK, tools=STRICT_TOOLS, max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "object"}}})
+    assert refused.value.body["param"] == "response_format"

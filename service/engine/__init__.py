@@ -2,7 +2,7 @@
 
 from .core import Engine, EngineOverloaded, EngineUnavailable
 from .events import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
-from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
+from .grammar import GrammarRefused, json_schema_grammar, text_or_tool_call_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
 from .template import TemplateRefused
@@ -25,5 +25,6 @@ __all__ = [
     "TextDelta",
     "TokenLogprob",
     "json_schema_grammar",
+    "text_or_tool_call_grammar",
     "tool_call_grammar",
 ]

@@ -50,9 +50,9 @@ def json_schema_grammar(schema: dict) -> str:
     return check_grammar(grammar)
 
 
-def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool) -> str:
-    """Return the grammar of a reply made of Qwen2.5 tool-call blocks calling one of `functions` (name, arguments schema)."""
-    call = {
+def _call_schema(functions: list[tuple[str, dict]]) -> dict:
+    """Return the schema of one call's JSON body: the name of one of `functions` and its arguments."""
+    return {
         "anyOf": [
             {
                 "type": "object",
@@ -64,16 +64,49 @@ def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool) -> str:
         ],
         "x-guidance": JSON_OPTIONS,
     }
+
+
+def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool) -> str:
+    """Return the grammar of a reply made of Qwen2.5 tool-call blocks calling one of `functions` (name, arguments schema)."""
     repeat = ' ("\\n" call)*' if parallel else ""
     lark = (
         f"start: call{repeat}\n"
         f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-        f"body: %json {json.dumps(call)}\n"
+        f"body: %json {json.dumps(_call_schema(functions))}\n"
     )
     try:
         return check_grammar(LLMatcher.grammar_from_lark(lark))
     except ValueError as exc:
         raise GrammarRefused(str(exc)) from None
+
+
+def text_or_tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool, markers: tuple[int, int]) -> str:
+    """Return the grammar of a reply under tool_choice `auto` with strict tools: text, or text and then
+    tool-call blocks whose bodies follow `functions` (name, arguments schema).
+
+    A call opens and closes with the marker tokens themselves (`markers`: their ids), so the text
+    before it ends where the model takes the opening token; the text may not spell the marker out
+    of smaller tokens either, so a call is never free text that the tool-call parser would read.
+    """
+    repeat = ' ("\\n" call)*' if parallel else ""
+    open_id, close_id = markers
+    lark = (
+        "start: TEXT | TEXT? calls\n"
+        f"calls: call{repeat}\n"
+        f'call: <[{open_id}]> "\\n" body "\\n" <[{close_id}]>\n'
+        f"body: %json {json.dumps(_call_schema(functions))}\n"
+        f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{TOOL_CALL_OPEN}(.|\\n)*/\n"
+    )
+    try:
+        grammar = LLMatcher.grammar_from_lark(lark)
+    except ValueError as exc:
+        raise GrammarRefused(str(exc)) from None
+    # Token ids are checked against the vocabulary when a worker compiles the grammar, not here.
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    messages = [message for message in messages if not message.startswith("no tokenizer - can't validate <[")]
+    if is_error or messages:
+        raise GrammarRefused("; ".join(messages))
+    return grammar
 
 
 class Vocabulary:

@@ -2,6 +2,8 @@
 
 from jinja2 import Environment, TemplateError, TemplateSyntaxError, meta
 
+from .grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
 
 class TemplateRefused(ValueError):
     """The model's chat template refused a conversation (a role order it does not support, say)."""
@@ -31,6 +33,18 @@ class ChatTemplate:
     def vocab_size(self) -> int:
         """Return how many token ids the tokenizer knows (its vocabulary and added tokens); valid ids are below it."""
         return len(self.tokenizer)
+
+    @property
+    def tool_call_marker_ids(self) -> tuple[int, int] | None:
+        """Return the ids of the tokens that open and close a tool call (Qwen2.5's `<tool_call>` and
+        `</tool_call>`), or None when the tokenizer has no single token for each."""
+        ids = []
+        for marker in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+            encoded = self.tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) != 1:
+                return None
+            ids.append(encoded[0])
+        return ids[0], ids[1]
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
         """Render a conversation through the model's chat template, ready for the reply (or, without the
