@@ -17,8 +17,10 @@ from service.sse import sse_data
 from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
+# Closed objects: a forced call is a bounded number of tokens, so max_tokens never cuts it.
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
-    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}}}
     for name in ("f", "g")]
 
 
