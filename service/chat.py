@@ -30,7 +30,7 @@ from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice, PromptTokensDetails, Usage
-from .schemas import CalledFunction, ChatCompletionRequest
+from .schemas import CalledFunction, ChatCompletionRequest, SamplingFields
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -61,6 +61,30 @@ class PreparedChat:
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
         return ToolCallParser() if self.request.tools_offered else None
+
+
+def usage_of(finished: Finished) -> Usage:
+    """Build the usage object of a finished generation."""
+    return Usage(
+        prompt_tokens=finished.prompt_tokens,
+        completion_tokens=finished.completion_tokens,
+        total_tokens=finished.prompt_tokens + finished.completion_tokens,
+        # A reply the response cache replays computed none of its prompt.
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=finished.prompt_tokens if finished.cached else finished.cached_prompt_tokens),
+    )
+
+
+def submit(engine, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...]) -> Generation:
+    """Queue a generation on the engine, or raise the 503 of a full or unavailable worker."""
+    try:
+        return engine.submit(prompt_ids, params, forced_ids)
+    except EngineOverloaded as exc:
+        raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineUnavailable:
+        raise Overloaded(
+            "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        ) from None
 
 
 def render_logprob(entry: TokenLogprob) -> dict:
@@ -105,7 +129,8 @@ class ChatCompletions:
         return PreparedChat(
             request=request,
             prompt_ids=prompt_ids,
-            params=self._sampling_params(request, len(prompt_ids), grammar),
+            params=self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
+                                        top_logprobs=request.top_logprobs or 0),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model_name=model_name,
@@ -128,17 +153,20 @@ class ChatCompletions:
                                      param="response_format") from None
         return None
 
-    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
-        """Fill omitted parameters from the model's generation config and check the lengths."""
+    def sampling_params(self, request: SamplingFields, prompt_tokens: int, grammar: str | None, *, logprobs: bool,
+                        top_logprobs: int, prompt_logprobs: int | None = None,
+                        prompt_param: str = "messages") -> SamplingParams:
+        """Fill omitted parameters from the model's generation config and check the lengths (chat's and legacy
+        completions' alike; `prompt_param` names the field a prompt too long for the context blames)."""
         limit, limit_name = self.token_limit()
         room = limit - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in {limit_name}",
-                param="messages",
+                param=prompt_param,
             )
         asked = request.requested_max_tokens
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        param = request.max_tokens_param
         if asked is not None and asked > self.settings.max_tokens_limit:
             raise InvalidRequest(
                 f"{param} is {asked}, above this server's limit of {self.settings.max_tokens_limit}",
@@ -164,12 +192,13 @@ class ChatCompletions:
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=self._repetition_penalty(request),
             grammar=grammar,
-            logprobs=bool(request.logprobs),
-            top_logprobs=request.top_logprobs or 0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             logit_bias=self._logit_bias(request),
+            prompt_logprobs=prompt_logprobs,
         )
 
-    def _logit_bias(self, request: ChatCompletionRequest) -> tuple[tuple[int, float], ...]:
+    def _logit_bias(self, request: SamplingFields) -> tuple[tuple[int, float], ...]:
         """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
         vocab_size = self.engine.template.vocab_size
         for token_id in map(int, request.logit_bias or {}):
@@ -178,7 +207,7 @@ class ChatCompletions:
                                      f"from 0 to {vocab_size - 1})", param="logit_bias")
         return request.token_biases
 
-    def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
+    def _repetition_penalty(self, request: SamplingFields) -> float:
         """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
         transformers and vLLM apply it), else 1 (none)."""
         if request.repetition_penalty is not None:
@@ -209,16 +238,10 @@ class ChatCompletions:
     def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
-            return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
-        except EngineOverloaded as exc:
-            raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            return submit(self.engine, prepared.prompt_ids, prepared.params, forced_ids)
         except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
             param = "tools" if prepared.request.forced_tools else "response_format"
             raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
-        except EngineUnavailable:
-            raise Overloaded(
-                "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-            ) from None
 
     # Rendering -----------------------------------------------------------------------------
     # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
@@ -239,18 +262,6 @@ class ChatCompletions:
         if prepared.request.include_usage:
             chunk["usage"] = None
         return chunk
-
-    @staticmethod
-    def _usage(finished: Finished) -> Usage:
-        """Build the usage object of a finished generation."""
-        return Usage(
-            prompt_tokens=finished.prompt_tokens,
-            completion_tokens=finished.completion_tokens,
-            total_tokens=finished.prompt_tokens + finished.completion_tokens,
-            # A reply the response cache replays computed none of its prompt.
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=finished.prompt_tokens if finished.cached else finished.cached_prompt_tokens),
-        )
 
     def stream(self, prepared: PreparedChat, source: EventSource):
         """Yield the SSE text of a reply; `source` gives engine events (a Generation or a replay).
@@ -283,7 +294,7 @@ class ChatCompletions:
                     yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, event, parser)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
-                        usage_chunk.update(choices=[], usage=self._usage(event).model_dump())
+                        usage_chunk.update(choices=[], usage=usage_of(event).model_dump())
                         yield sse_data(usage_chunk)
                     break
                 elif isinstance(event, Failed):
@@ -361,5 +372,5 @@ class ChatCompletions:
                     finish_reason=self._finish_reason(prepared, finished, parser),
                 )
             ],
-            usage=self._usage(finished),
+            usage=usage_of(finished),
         )

@@ -44,7 +44,8 @@ class EngineWork(EventSource):
         elif isinstance(event, Finished):
             # A continuation's forced tokens are in completion_tokens, but the engine processed them as prompt.
             forced = len(self.generation.forced_ids)
-            self._count(processed_prompt=event.completion_tokens > 0,
+            # A reply of max_tokens 0 (a legacy completion's echo) had its prompt pass and no token.
+            self._count(processed_prompt=event.completion_tokens > 0 or event.prompt_seconds > 0,
                         generated=max(0, event.completion_tokens - forced))
         elif isinstance(event, Failed):
             self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
@@ -128,8 +129,8 @@ class ObservedGeneration(EventSource):
         if finished.cached and not getattr(self.source, "generated", False):
             metrics.replayed_prompt_tokens_total.inc(finished.prompt_tokens)
             metrics.replayed_generation_tokens_total.inc(finished.completion_tokens)
-        # No completion tokens: the engine never ran the prompt (cancelled while queued).
-        if finished.completion_tokens > 0:
+        # No completion tokens and no prompt time: the engine never ran the prompt (cancelled while queued).
+        if finished.completion_tokens > 0 or finished.prompt_seconds > 0:
             if not finished.cached:
                 metrics.prompt_processing_seconds.observe(finished.prompt_seconds)
             if self.first_text_at is None:

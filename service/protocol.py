@@ -161,6 +161,65 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
 
+CompletionFinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions' logprobs: per token its text, log probability (null for a prompt's first token, which
+    nothing predicts), most likely alternatives by text (the token itself among them; null where the log
+    probability is) and where it starts in the choice's text (counted across a stream's chunks)."""
+
+    tokens: list[str]
+    token_logprobs: list[Annotated[float, Field(le=0)] | None]
+    top_logprobs: list[dict[str, Annotated[float, Field(le=0)]] | None]
+    text_offset: list[Count]
+
+
+class CompletionChoice(_Response):
+    """The one choice of a whole text completion."""
+
+    index: Literal[0]
+    text: str
+    logprobs: Annotated[CompletionLogprobs | None, Field(description="With `logprobs` set, the tokens' log "
+                                                                     "probabilities; otherwise null.")]
+    finish_reason: CompletionFinishReason
+
+
+class Completion(_Response):
+    """A whole reply to `POST /v1/completions`."""
+
+    id: Annotated[str, Field(pattern="^cmpl-")]
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=1)]
+    usage: Usage
+
+
+class CompletionChunkChoice(_Response):
+    """The one choice of a streamed text completion's chunk: the text it adds (with `echo`, the first is the
+    prompt) and, in the last, the finish reason."""
+
+    index: Literal[0]
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: CompletionFinishReason | None
+
+
+class CompletionChunk(_Response):
+    """One `data:` event of a streamed text completion, which ends with `data: [DONE]` as chat's do (pings,
+    errors and `stream_options.include_usage` alike)."""
+
+    id: Annotated[str, Field(pattern="^cmpl-")]
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[CompletionChunkChoice], Field(max_length=1)]
+    usage: Usage | None = None
+
+
 class Model(_Response):
     """The served model, under one of the names it answers to."""
 
@@ -213,5 +272,5 @@ class Readiness(_Response):
     waiting: Count
 
 
-RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, TokenizeResponse, DetokenizeResponse,
-                   Health, Readiness)
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Model, ModelList,
+                   TokenizeResponse, DetokenizeResponse, Health, Readiness)

@@ -162,13 +162,9 @@ class StreamOptions(StrictModel):
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 
-class ChatCompletionRequest(StrictModel):
-    """A `POST /v1/chat/completions` body."""
+class SamplingFields(StrictModel):
+    """The sampling fields chat and legacy completions share, and what fills SamplingParams from them."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT64)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64)
@@ -176,21 +172,8 @@ class ChatCompletionRequest(StrictModel):
     stop: StopString | list[StopString] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # null means the default for both, as OpenAI accepts.
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
-    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
-    function_call: Literal["none", "auto"] | FunctionChoice | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
         "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
@@ -224,9 +207,51 @@ class ChatCompletionRequest(StrictModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
+        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """Return the reply's length the request asked for, or None for the server's default."""
+        raise NotImplementedError
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Return the name of the field that sets the reply's length, for errors about it."""
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(SamplingFields):
+    """A `POST /v1/chat/completions` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
+    # null means the default for both, as OpenAI accepts.
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
+    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
+    function_call: Literal["none", "auto"] | FunctionChoice | None = None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """Return max_completion_tokens, or the older max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Return the name of the field that set the reply's length, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -259,11 +284,6 @@ class ChatCompletionRequest(StrictModel):
     def legacy_functions(self) -> bool:
         """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
         return self.functions is not None
-
-    @property
-    def token_biases(self) -> tuple[tuple[int, float], ...]:
-        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
-        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
 
     @property
     def json_schema(self) -> dict | None:

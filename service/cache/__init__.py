@@ -27,7 +27,8 @@ __all__ = ["CachedReply", "Flight", "FlightReader", "ResponseCache", "cache_key"
 log = logging.getLogger(__name__)
 
 OPT_OUT_DIRECTIVES = {"no-cache", "no-store"}
-CHAT_PATH = "/v1/chat/completions"
+# The routes whose replies the cache serves: each response says what the cache did.
+CACHED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def no_cache_requested(cache_control: str) -> bool:
@@ -155,8 +156,8 @@ def set_status(status: str) -> None:
 
 
 def add_status_header(response):
-    """Put X-Cache on every chat response, errors included (`bypass` when the cache was not consulted)."""
-    if request.path == CHAT_PATH:
+    """Put X-Cache on every chat or completion response, errors included (`bypass` when the cache was not consulted)."""
+    if request.path in CACHED_PATHS:
         response.headers["X-Cache"] = g.get("corechat_x_cache", "bypass")
     return response
 

@@ -1,7 +1,7 @@
 """Model loading and generation; knows nothing of HTTP."""
 
 from .core import Engine, EngineOverloaded, EngineUnavailable
-from .events import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
+from .events import Event, EventSource, Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
 from .grammar import GrammarRefused, json_schema_grammar, tool_call_grammar
 from .loading import ModelNotFound
 from .sampling import SamplingParams
@@ -19,6 +19,7 @@ __all__ = [
     "Generation",
     "GrammarRefused",
     "ModelNotFound",
+    "PromptLogprobs",
     "SamplingParams",
     "Started",
     "TemplateRefused",

@@ -40,6 +40,16 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own token logprobs, sent once after its pass when the request asked (before any text)."""
+
+    # The prompt's first token, which nothing before it predicts: its text alone.
+    first_token: str
+    # Every later prompt token, each under the model's distribution at the position before it.
+    entries: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class Finished:
     """The generation ended; the last event of a successful generation."""
 
@@ -60,7 +70,7 @@ class Failed:
     message: str
 
 
-Event = Started | TextDelta | Finished | Failed
+Event = Started | PromptLogprobs | TextDelta | Finished | Failed
 
 
 class EventSource(Protocol):

@@ -11,12 +11,12 @@ from transformers import DynamicCache
 
 from .batching import DecodeBatch
 from .cores import SharedCores
-from .events import Failed, Finished, Generation, Started, TextDelta
+from .events import Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
 from .grammar import mask_logits
 from .kvcache import new_cache, reserve
 from .memory import reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
-from .sampling import Sampler, TokenLogprobs, biased, sample_tokens, token_logprobs
+from .sampling import Sampler, TokenLogprobs, biased, prompt_token_logprobs, sample_tokens, token_logprobs
 from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ IDLE_POLL_SECONDS = 0.5
 # The fewest prompt tokens a chunk holds (settings' least PREFILL_CHUNK_TOKENS), however slow the
 # prompt speed: each chunk reads every weight once, so tiny chunks would mostly read.
 MIN_CHUNK_TOKENS = 16
+# The most prompt tokens a chunk holds when the request asked for the prompt's logprobs: each keeps a
+# row of logits over the whole vocabulary.
+PROMPT_LOGPROBS_CHUNK_TOKENS = 64
 
 
 def chunk_tokens(most: int, stall_seconds: float, seconds_per_token: float | None) -> int:
@@ -77,6 +80,8 @@ class _Sequence:
     taken_ids: list[int] = field(default_factory=list)
     # The final event of a sequence that ended in the batch, sent once it left.
     final: Finished | None = None
+    # The prompt's own token logprobs so far, when the request asked for them.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Scheduler:
@@ -203,7 +208,8 @@ class Scheduler:
         now = time.monotonic()
         deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
         input_ids = generation.input_ids
-        cache, cached = self.prefixes.lookup(input_ids)
+        # A stored prefix has no logits: a request for the prompt's logprobs passes its whole prompt.
+        cache, cached = (None, 0) if generation.params.prompt_logprobs is not None else self.prefixes.lookup(input_ids)
         sequence = _Sequence(
             generation=generation,
             sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
@@ -254,6 +260,8 @@ class Scheduler:
         shares = prompt_shares(budget, [len(sequence.next_input) for sequence in prefilling])
         began, tokens, joining, done = time.monotonic(), 0, [], []
         for sequence, share in zip(list(prefilling), shares, strict=True):
+            if sequence.generation.params.prompt_logprobs is not None:
+                share = min(share, PROMPT_LOGPROBS_CHUNK_TOKENS)
             if not share:
                 continue
             tokens += share
@@ -318,14 +326,18 @@ class Scheduler:
             return False
         try:
             began = time.monotonic()
+            start = len(sequence.generation.input_ids) - len(sequence.next_input)
             chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
+            scoring = sequence.generation.params.prompt_logprobs is not None
             with torch.inference_mode():
                 output = self.model(
                     input_ids=torch.tensor([chunk]),
                     cache=sequence.cache,
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=0 if scoring else 1,
                 )
+                if scoring:
+                    self._score_prompt(sequence, start, output.logits[0])
                 if not sequence.next_input:
                     self.prefixes.store_cache(sequence.generation.input_ids, sequence.cache)
                     logits = biased([sequence.sampler], output.logits[0, -1:])
@@ -338,7 +350,11 @@ class Scheduler:
             self.facts["prefix_cache_bytes"] = self.prefixes.bytes
             if sequence.cached_prompt_tokens:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
-            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
+            if scoring:
+                self._send_prompt_logprobs(sequence)
+            # A continuation's forced tokens may already end the reply; max_tokens 0 asks for the prompt pass alone.
+            if ((sequence.generation.forced_ids or not sequence.generation.params.max_tokens)
+                    and self._forced_reply_ended(sequence)):
                 return False
             token_id = sample_tokens([sequence.sampler], logits)[0]
             return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
@@ -346,6 +362,22 @@ class Scheduler:
             log.exception("prompt pass failed")
             sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             return False
+
+    def _score_prompt(self, sequence: _Sequence, start: int, logits: torch.Tensor) -> None:
+        """Keep the logprobs of the prompt tokens that the chunk starting at position `start` predicts."""
+        prompt_ids = sequence.generation.prompt_ids
+        next_ids = prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        if not next_ids:
+            return
+        top = sequence.generation.params.prompt_logprobs
+        for token_id, scored in zip(next_ids, prompt_token_logprobs(logits, next_ids, top), strict=True):
+            sequence.prompt_logprobs.append(self.speller.logprob(token_id, scored.logprob, scored.top))
+
+    def _send_prompt_logprobs(self, sequence: _Sequence) -> None:
+        """Send the prompt's token logprobs, its first token (which has none) spelled alone."""
+        first = self.speller.bytes_of(sequence.generation.prompt_ids[0]).decode("utf-8", errors="replace")
+        sequence.generation.send(PromptLogprobs(first, tuple(sequence.prompt_logprobs)))
+        sequence.prompt_logprobs = []
 
     # Decode steps ---------------------------------------------------------------------------
 
