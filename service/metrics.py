@@ -71,7 +71,7 @@ prompt_processing_seconds = Histogram(
 )
 requests_total = Counter(
     "corechat_requests",
-    "Chat completion requests by outcome: finish reason, cancelled, or error code.",
+    "Chat and legacy completion requests by outcome: finish reason, cancelled, or error code.",
     ["outcome"],
 )
 # The engine's work, as vLLM's token counters: every generation once, however many requests read it.
