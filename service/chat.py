@@ -4,12 +4,15 @@ The views stay thin; this class knows the engine's events and OpenAI's objects, 
 Flask's request and response objects.
 """
 
+import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
 from .engine import (
+    ChoiceEvent,
+    ChoiceGroup,
     EngineOverloaded,
     EngineUnavailable,
     EventSource,
@@ -22,6 +25,7 @@ from .engine import (
     TemplateRefused,
     TextDelta,
     TokenLogprob,
+    choice_seed,
     json_schema_grammar,
     tool_call_grammar,
 )
@@ -52,11 +56,17 @@ class PreparedChat:
 
     request: ChatCompletionRequest
     prompt_ids: list[int]
-    params: SamplingParams
+    # Every choice's parameters (n of them): the first choice's are `params`.
+    choice_params: tuple[SamplingParams, ...]
     completion_id: str
     created: int
     # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
     model_name: str
+
+    @property
+    def params(self) -> SamplingParams:
+        """Return how the first choice samples, which is what the cache keys a reply by."""
+        return self.choice_params[0]
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
@@ -75,10 +85,38 @@ def usage_of(finished: Finished) -> Usage:
     )
 
 
-def submit(engine, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...]) -> Generation:
-    """Queue a generation on the engine, or raise the 503 of a full or unavailable worker."""
+def split_choice(event):
+    """Return the choice index an event belongs to and the event itself (0 for the one choice of n = 1)."""
+    return (event.index, event.event) if isinstance(event, ChoiceEvent) else (0, event)
+
+
+def choice_params(params: SamplingParams, count: int) -> tuple[SamplingParams, ...]:
+    """Return the parameters of each of `count` choices: the same but for a seed of each choice's own."""
+    if params.seed is None:
+        return (params,) * count
+    return tuple(dataclasses.replace(params, seed=choice_seed(params.seed, index)) for index in range(count))
+
+
+def check_choices(settings, engine, count: int, prompt_tokens: int, params: SamplingParams) -> None:
+    """Refuse more choices than can run at once, or than the worker's KV budget holds together."""
+    if count > settings.max_running:
+        raise InvalidRequest(f"'n' is {count}, above this server's {settings.max_running} running places (MAX_RUNNING): "
+                             "a request's choices decode together", param="n")
+    budget = engine.kv_token_budget
+    needed = count * (prompt_tokens + params.max_tokens)
+    if count > 1 and budget and needed > budget:
+        raise ContextLengthExceeded(f"{count} choices of {prompt_tokens} prompt tokens and {params.max_tokens} completion "
+                                    f"tokens need {needed} tokens of KV cache, above this server's budget of {budget} "
+                                    "tokens per worker (KV_CACHE_MB)", param="n")
+
+
+def submit(engine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
+           forced_ids: tuple[int, ...]) -> Generation | ChoiceGroup:
+    """Queue a generation (or a group of choices) on the engine, or raise the 503 of a full or unavailable worker."""
     try:
-        return engine.submit(prompt_ids, params, forced_ids)
+        if len(choices) > 1:
+            return engine.submit_choices(prompt_ids, list(choices))
+        return engine.submit(prompt_ids, choices[0], forced_ids)
     except EngineOverloaded as exc:
         raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineUnavailable:
@@ -126,11 +164,13 @@ class ChatCompletions:
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
+        params = self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
+                                      top_logprobs=request.top_logprobs or 0)
+        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
         return PreparedChat(
             request=request,
             prompt_ids=prompt_ids,
-            params=self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
-                                        top_logprobs=request.top_logprobs or 0),
+            choice_params=choice_params(params, request.choice_count),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model_name=model_name,
@@ -235,10 +275,10 @@ class ChatCompletions:
         configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
         return openai_default if configured is None else type(openai_default)(configured)
 
-    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation:
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
-            return submit(self.engine, prepared.prompt_ids, prepared.params, forced_ids)
+            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
         except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
             param = "tools" if prepared.request.forced_tools else "response_format"
             raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
@@ -248,15 +288,16 @@ class ChatCompletions:
     # half what building and dumping protocol.ChatCompletionChunk does. tests/test_protocol.py checks
     # that every chunk validates as that model and renders byte for byte as the model renders it.
 
-    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None) -> dict:
-        """Build one chat.completion.chunk object (`logprobs`: the entries of the tokens it delivers)."""
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,
+               index: int = 0) -> dict:
+        """Build one chat.completion.chunk object of choice `index` (`logprobs`: the entries of the tokens it delivers)."""
         chunk = {
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
             "model": prepared.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+            "choices": [{"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                          "finish_reason": finish_reason}],
         }
         if prepared.request.include_usage:
@@ -264,34 +305,37 @@ class ChatCompletions:
         return chunk
 
     def stream(self, prepared: PreparedChat, source: EventSource):
-        """Yield the SSE text of a reply; `source` gives engine events (a Generation or a replay).
+        """Yield the SSE text of a reply; `source` gives engine events (a Generation, a group of choices or a replay).
 
+        Each choice's chunks carry its index; with n > 1 they interleave as the choices' tokens come.
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
-        parser = prepared.tool_call_parser()
-        # Entries of tokens whose text is still held back go out with the next chunk.
-        logprobs: list[dict] = []
+        count = len(prepared.choice_params)
+        parsers = [prepared.tool_call_parser() for _ in range(count)]
+        # Entries of tokens whose text is still held back go out with the choice's next chunk.
+        held: list[list[dict]] = [[] for _ in range(count)]
         try:
-            yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
+            for index in range(count):
+                yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}, index=index))
             while True:
                 event = source.next_event(timeout=self.settings.sse_ping_seconds)
+                index, inner = split_choice(event)
                 if event is None:
                     yield PING
-                elif isinstance(event, TextDelta):
-                    logprobs += map(render_logprob, event.logprobs)
-                    for delta in self._deltas(prepared, parser, event.text):
-                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
-                        logprobs = []
+                elif isinstance(inner, TextDelta):
+                    held[index] += map(render_logprob, inner.logprobs)
+                    for delta in self._deltas(prepared, parsers[index], inner.text):
+                        yield sse_data(self._chunk(prepared, delta, logprobs=held[index], index=index))
+                        held[index] = []
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished) and inner.finish_reason != "cancelled":
+                        yield from self._end_choice(prepared, index, parsers[index], held[index], inner)
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
                         break
-                    for delta in self._deltas(prepared, parser, None):
-                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
-                        logprobs = []
-                    if logprobs:
-                        yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
-                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, event, parser)))
+                    if count == 1:
+                        yield from self._end_choice(prepared, 0, parsers[0], held[0], event)
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
                         usage_chunk.update(choices=[], usage=usage_of(event).model_dump())
@@ -303,6 +347,16 @@ class ChatCompletions:
             yield DONE
         finally:
             source.cancel()
+
+    def _end_choice(self, prepared: PreparedChat, index: int, parser: ToolCallParser | None, held: list[dict],
+                    finished: Finished):
+        """Yield the SSE text that ends one choice: its held-back text and entries, then its finish reason."""
+        for delta in self._deltas(prepared, parser, None):
+            yield sse_data(self._chunk(prepared, delta, logprobs=held, index=index))
+            held = []
+        if held:
+            yield sse_data(self._chunk(prepared, {}, logprobs=held, index=index))
+        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser), index=index))
 
     @staticmethod
     def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
@@ -328,13 +382,20 @@ class ChatCompletions:
         return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:
-        """Wait for the whole reply and return a chat.completion object."""
-        pieces, logprobs = [], []
+        """Wait for the whole reply (every choice) and return a chat.completion object."""
+        count = len(prepared.choice_params)
+        pieces: list[list[str]] = [[] for _ in range(count)]
+        logprobs: list[list[dict]] = [[] for _ in range(count)]
+        ended: list[Finished | None] = [None] * count
         try:
             for event in source.events():
-                if isinstance(event, TextDelta):
-                    pieces.append(event.text)
-                    logprobs += map(render_logprob, event.logprobs)
+                index, inner = split_choice(event)
+                if isinstance(inner, TextDelta):
+                    pieces[index].append(inner.text)
+                    logprobs[index] += map(render_logprob, inner.logprobs)
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished):
+                        ended[index] = inner
                 elif isinstance(event, Failed):
                     raise InternalError(event.message)
                 elif isinstance(event, Finished):
@@ -345,7 +406,22 @@ class ChatCompletions:
             source.cancel()
         if finished.finish_reason == "cancelled":
             raise interrupted()
-        text, calls = "".join(pieces), []
+        if count == 1:
+            ended[0] = finished
+        return ChatCompletion(
+            id=prepared.completion_id,
+            object="chat.completion",
+            created=prepared.created,
+            model=prepared.model_name,
+            system_fingerprint=self.engine.fingerprint or None,
+            choices=[self._choice(prepared, index, "".join(pieces[index]), logprobs[index], ended[index])
+                     for index in range(count)],
+            usage=usage_of(finished),
+        )
+
+    def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict], finished: Finished) -> Choice:
+        """Build one choice of a whole reply: its text, tool calls (or legacy function call) and finish reason."""
+        calls = []
         parser = prepared.tool_call_parser()
         if parser is not None:
             content, deltas = parser.feed(text)
@@ -358,19 +434,9 @@ class ChatCompletions:
             message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
         else:
             message = AssistantMessage(role="assistant", content=text)
-        return ChatCompletion(
-            id=prepared.completion_id,
-            object="chat.completion",
-            created=prepared.created,
-            model=prepared.model_name,
-            system_fingerprint=self.engine.fingerprint or None,
-            choices=[
-                Choice(
-                    index=0,
-                    message=message,
-                    logprobs={"content": logprobs} if prepared.params.logprobs else None,
-                    finish_reason=self._finish_reason(prepared, finished, parser),
-                )
-            ],
-            usage=usage_of(finished),
+        return Choice(
+            index=index,
+            message=message,
+            logprobs={"content": logprobs} if prepared.params.logprobs else None,
+            finish_reason=self._finish_reason(prepared, finished, parser),
         )

@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import Field
 
 from .errors import InvalidRequest
-from .schemas import INT64, SamplingFields, StreamOptions, parse_body
+from .schemas import INT64, MAX_CHOICES, SamplingFields, StreamOptions, parse_body
 
 # OpenAI's bound of the legacy `logprobs`: the most likely alternatives reported at each position.
 MAX_LEGACY_LOGPROBS = 5
@@ -31,8 +31,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = Field(None, description="Refused: the model's template has no fill-in-the-middle.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=1)
-    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 (the default): every choice is returned.")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description=(
+        "Only equal to `n` (the default): every choice sampled is returned, none held back as worse."))
     user: str | None = Field(None, description="Accepted and ignored.")
 
     @property
@@ -68,6 +68,9 @@ def parse_completion_request(body) -> CompletionRequest:
                              "(send each as its own request)", param="prompt")
     if not request.one_prompt:
         raise InvalidRequest("'prompt' is empty; give text or token ids to continue", param="prompt")
+    if request.best_of is not None and request.best_of != request.choice_count:
+        raise InvalidRequest(f"'best_of' is {request.best_of} and 'n' is {request.choice_count}: this server returns every "
+                             "choice it samples, so best_of may only equal n", param="best_of")
     if request.suffix:
         raise InvalidRequest("'suffix' is not supported: the model's template has no fill-in-the-middle", param="suffix")
     return request

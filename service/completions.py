@@ -8,10 +8,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .chat import ChatCompletions, interrupted, submit, usage_of
+from .chat import ChatCompletions, check_choices, choice_params, interrupted, split_choice, submit, usage_of
 from .completion_schemas import CompletionRequest
-from .engine import (EventSource, Failed, Finished, Generation, PromptLogprobs, SamplingParams, Started, TextDelta,
-                     TokenLogprob)
+from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs, SamplingParams,
+                     Started, TextDelta, TokenLogprob)
 from .errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
@@ -29,10 +29,16 @@ class PreparedCompletion:
     prompt_ids: list[int]
     # What `echo` begins the text with: the prompt as sent, or its token ids' text.
     prompt_text: str
-    params: SamplingParams
+    # Every choice's parameters (n of them): the first choice's are `params`.
+    choice_params: tuple[SamplingParams, ...]
     completion_id: str
     created: int
     model_name: str
+
+    @property
+    def params(self) -> SamplingParams:
+        """Return how the first choice samples, which is what the cache keys a reply by."""
+        return self.choice_params[0]
 
 
 class LegacyLogprobs:
@@ -105,7 +111,9 @@ class TextCompletions:
         params = self.chat.sampling_params(
             request, len(prompt_ids), None, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
             prompt_logprobs=logprobs if request.echo and logprobs is not None else None, prompt_param="prompt")
-        return PreparedCompletion(request=request, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
+        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
+        return PreparedCompletion(request=request, prompt_ids=prompt_ids, prompt_text=prompt_text,
+                                  choice_params=choice_params(params, request.choice_count),
                                   completion_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                   model_name=model_name)
 
@@ -117,56 +125,68 @@ class TextCompletions:
                 raise InvalidRequest(f"invalid 'prompt[{index}]': {token_id} is not a token id of this model (its ids "
                                      f"run from 0 to {vocab_size - 1})", param=f"prompt[{index}]")
 
-    def start(self, prepared: PreparedCompletion, forced_ids: tuple[int, ...] = ()) -> Generation:
-        """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
-        return submit(self.engine, prepared.prompt_ids, prepared.params, forced_ids)
+    def start(self, prepared: PreparedCompletion, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
+        """Queue the generation or its choices (continuing `forced_ids`, a reply's first tokens), or raise 503."""
+        return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
 
     # Rendering -----------------------------------------------------------------------------
     # Chunks are plain data framed by json.dumps, as chat's are; tests/test_completions.py validates them
     # as protocol.CompletionChunk.
 
-    def _chunk(self, prepared: PreparedCompletion, text: str, finish_reason=None, logprobs: dict | None = None) -> dict:
-        """Build one streamed text_completion object."""
+    def _chunk(self, prepared: PreparedCompletion, text: str, finish_reason=None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
+        """Build one streamed text_completion object of choice `index`."""
         chunk = {
             "id": prepared.completion_id,
             "object": "text_completion",
             "created": prepared.created,
             "model": prepared.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
         if prepared.request.include_usage:
             chunk["usage"] = None
         return chunk
 
     def stream(self, prepared: PreparedCompletion, source: EventSource):
-        """Yield the SSE text of a completion; `source` gives engine events (a Generation or a replay).
+        """Yield the SSE text of a completion; `source` gives engine events (a Generation, a group of choices or a
+        replay).
 
-        With `echo` the first chunk is the prompt (with its logprobs once the prompt pass sends them).
-        The source is cancelled in `finally`, so a client that goes away frees its engine slot.
+        With `echo` each choice's first chunk is the prompt (with its logprobs once the prompt pass sends
+        them). The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
+        count = len(prepared.choice_params)
         wants_logprobs = prepared.params.logprobs
-        gathered = LegacyLogprobs()
+        gathered = [LegacyLogprobs() for _ in range(count)]
+
+        def taken(index: int) -> dict | None:
+            return gathered[index].take() if wants_logprobs else None
+
         try:
             if prepared.request.echo and not wants_logprobs:
-                yield sse_data(self._chunk(prepared, prepared.prompt_text))
+                for index in range(count):
+                    yield sse_data(self._chunk(prepared, prepared.prompt_text, index=index))
             while True:
                 event = source.next_event(timeout=self.settings.sse_ping_seconds)
+                index, inner = split_choice(event)
                 if event is None:
                     yield PING
-                elif isinstance(event, PromptLogprobs):
-                    add_prompt_logprobs(gathered, event)
-                    yield sse_data(self._chunk(prepared, prepared.prompt_text, logprobs=gathered.take()))
-                elif isinstance(event, TextDelta):
-                    for entry in event.logprobs:
-                        gathered.add(entry)
-                    yield sse_data(self._chunk(prepared, event.text, logprobs=gathered.take() if wants_logprobs else None))
+                elif isinstance(inner, PromptLogprobs):
+                    add_prompt_logprobs(gathered[index], inner)
+                    yield sse_data(self._chunk(prepared, prepared.prompt_text, logprobs=taken(index), index=index))
+                elif isinstance(inner, TextDelta):
+                    for entry in inner.logprobs:
+                        gathered[index].add(entry)
+                    yield sse_data(self._chunk(prepared, inner.text, logprobs=taken(index), index=index))
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished) and inner.finish_reason != "cancelled":
+                        yield sse_data(self._chunk(prepared, "", inner.finish_reason, logprobs=taken(index), index=index))
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
                         break
-                    yield sse_data(self._chunk(prepared, "", event.finish_reason,
-                                               logprobs=gathered.take() if wants_logprobs else None))
+                    if count == 1:
+                        yield sse_data(self._chunk(prepared, "", event.finish_reason, logprobs=taken(0)))
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, "")
                         usage_chunk.update(choices=[], usage=usage_of(event).model_dump())
@@ -180,17 +200,23 @@ class TextCompletions:
             source.cancel()
 
     def complete(self, prepared: PreparedCompletion, source: EventSource) -> Completion:
-        """Wait for the whole completion and return a text_completion object."""
-        pieces = [prepared.prompt_text] if prepared.request.echo else []
-        gathered = LegacyLogprobs()
+        """Wait for the whole completion (every choice) and return a text_completion object."""
+        count = len(prepared.choice_params)
+        pieces = [[prepared.prompt_text] if prepared.request.echo else [] for _ in range(count)]
+        gathered = [LegacyLogprobs() for _ in range(count)]
+        ended: list[Finished | None] = [None] * count
         try:
             for event in source.events():
-                if isinstance(event, TextDelta):
-                    pieces.append(event.text)
-                    for entry in event.logprobs:
-                        gathered.add(entry)
-                elif isinstance(event, PromptLogprobs):
-                    add_prompt_logprobs(gathered, event)
+                index, inner = split_choice(event)
+                if isinstance(inner, TextDelta):
+                    pieces[index].append(inner.text)
+                    for entry in inner.logprobs:
+                        gathered[index].add(entry)
+                elif isinstance(inner, PromptLogprobs):
+                    add_prompt_logprobs(gathered[index], inner)
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished):
+                        ended[index] = inner
                 elif isinstance(event, Failed):
                     raise InternalError(event.message)
                 elif isinstance(event, Finished):
@@ -201,14 +227,19 @@ class TextCompletions:
             source.cancel()
         if finished.finish_reason == "cancelled":
             raise interrupted()
-        logprobs = CompletionLogprobs(**gathered.take()) if prepared.params.logprobs else None
+        if count == 1:
+            ended[0] = finished
+        choices = [
+            CompletionChoice(index=index, text="".join(pieces[index]), finish_reason=ended[index].finish_reason,
+                             logprobs=CompletionLogprobs(**gathered[index].take()) if prepared.params.logprobs else None)
+            for index in range(count)
+        ]
         return Completion(
             id=prepared.completion_id,
             object="text_completion",
             created=prepared.created,
             model=prepared.model_name,
             system_fingerprint=self.engine.fingerprint or None,
-            choices=[CompletionChoice(index=0, text="".join(pieces), logprobs=logprobs,
-                                      finish_reason=finished.finish_reason)],
+            choices=choices,
             usage=usage_of(finished),
         )

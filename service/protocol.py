@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ErrorResponse
-from .schemas import MAX_TOP_LOGPROBS, CalledFunction, ToolCall
+from .schemas import MAX_CHOICES, MAX_TOP_LOGPROBS, CalledFunction, ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
@@ -90,9 +90,9 @@ class AssistantMessage(_Response):
 
 
 class Choice(_Response):
-    """The one choice of a whole reply."""
+    """One choice of a whole reply (n of them, indexed from 0)."""
 
-    index: Literal[0]
+    index: Count
     message: AssistantMessage
     logprobs: LogprobsField
     finish_reason: FinishReason
@@ -106,7 +106,7 @@ class ChatCompletion(_Response):
     created: int
     model: str
     system_fingerprint: str | None
-    choices: Annotated[list[Choice], Field(min_length=1, max_length=1)]
+    choices: Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)]
     usage: Usage
 
 
@@ -138,9 +138,9 @@ class DeltaMessage(_Response):
 
 
 class ChunkChoice(_Response):
-    """The one choice of a chunk."""
+    """The choice a chunk adds to (its index; with n > 1 the choices' chunks interleave)."""
 
-    index: Literal[0]
+    index: Count
     delta: DeltaMessage
     logprobs: LogprobsField
     finish_reason: FinishReason | None
@@ -176,9 +176,9 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
-    """The one choice of a whole text completion."""
+    """One choice of a whole text completion (n of them, indexed from 0)."""
 
-    index: Literal[0]
+    index: Count
     text: str
     logprobs: Annotated[CompletionLogprobs | None, Field(description="With `logprobs` set, the tokens' log "
                                                                      "probabilities; otherwise null.")]
@@ -193,15 +193,15 @@ class Completion(_Response):
     created: int
     model: str
     system_fingerprint: str | None
-    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=1)]
+    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)]
     usage: Usage
 
 
 class CompletionChunkChoice(_Response):
-    """The one choice of a streamed text completion's chunk: the text it adds (with `echo`, the first is the
-    prompt) and, in the last, the finish reason."""
+    """The choice a streamed text completion's chunk adds to: the text it adds (with `echo`, each choice's first
+    is the prompt) and, in its last, the finish reason."""
 
-    index: Literal[0]
+    index: Count
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: CompletionFinishReason | None

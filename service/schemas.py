@@ -9,6 +9,8 @@ from . import nesting
 from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
+# The most choices (n) one request may ask for; each is a running sequence of its own.
+MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds of logit_bias: entries, and each value (-100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -174,6 +176,10 @@ class SamplingFields(StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "How many choices to sample from one prompt pass (at most 8, and at most MAX_RUNNING): each takes a running "
+        "place. With a seed, choice i draws with a seed derived from it and i (choice 0 with the seed itself); "
+        "greedy choices are all the same."))
     logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
         "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
@@ -212,6 +218,11 @@ class SamplingFields(StrictModel):
         return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
 
     @property
+    def choice_count(self) -> int:
+        """Return how many choices the request asked for (null means 1)."""
+        return self.n or 1
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """Return the reply's length the request asked for, or None for the server's default."""
         raise NotImplementedError
@@ -232,7 +243,6 @@ class ChatCompletionRequest(SamplingFields):
     # null means the default for both, as OpenAI accepts.
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -411,8 +421,8 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         message = f"'{param}' is a required property"
-    elif param == "n":
-        message = "only n=1 is supported"
+    elif param == "n" and first["type"] in ("less_than_equal", "greater_than_equal"):
+        message = f"invalid 'n': from 1 to {MAX_CHOICES} choices are allowed"
     elif first["type"] == "literal_error":
         # Each alternative of a union names only its own values; the client needs all of them.
         expected = [error["ctx"]["expected"] for error in errors

@@ -104,8 +104,10 @@ class ResponseCache:
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
         """
-        # A stored reply keeps its text, not its logprobs: requests for them always generate.
-        if opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs:
+        # A stored reply keeps its text, not its logprobs: requests for them always generate. A reply is one
+        # choice's: a request for several (n > 1) always generates too.
+        if (opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs
+                or len(prepared.choice_params) > 1):
             return start(()), self._lookup_result("bypass")
         digest = cache_key(fingerprint, scope, prepared.prompt_ids, prepared.params)
         with self._flights_lock:

@@ -61,6 +61,19 @@ def step_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Return the seed of choice `index` of a request seeded with `seed` that asked for several (n > 1).
+
+    The first choice keeps the seed, so it is the reply the same request with n = 1 gets; each other
+    one's is a hash of the seed and its index. Each draw depends on its choice's seed and position
+    alone, so every choice is reproducible whatever the batch around it.
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
 @dataclass
 class Sampler:
     """Per-sequence sampling state: its seed, its position in the reply and the counts of tokens it produced.
