@@ -252,6 +252,9 @@ class ChatCompletionRequest(SamplingFields):
     # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
     functions: list[FunctionDefinition] | None = Field(None, min_length=1)
     function_call: Literal["none", "auto"] | FunctionChoice | None = None
+    # Declared to be refused, not silently dropped: the model reads and writes text only.
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description="Only [\"text\"].")
+    audio: dict[str, Any] | None = Field(None, description="Refused: the model writes text only.")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -433,9 +436,18 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(message, param=param or None)
 
 
+def _check_text_only(request: ChatCompletionRequest) -> None:
+    """Refuse audio output, which the model cannot write."""
+    if request.audio is not None:
+        raise InvalidRequest("'audio' is not supported: the model writes text only", param="audio")
+    if request.modalities is not None and "audio" in request.modalities:
+        raise InvalidRequest("'modalities' may only be [\"text\"]: the model writes text only", param="modalities")
+
+
 def parse_chat_request(body) -> ChatCompletionRequest:
     """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
     request = parse_body(ChatCompletionRequest, body)
+    _check_text_only(request)
     check_messages(request.messages)
     _check_function_fields(request)
     _check_tool_fields(request)
