@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .chat import ChatCompletions, check_choices, choice_params, interrupted, split_choice, submit, usage_of
+from .chat import ChatCompletions
 from .completion_schemas import CompletionRequest
 from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs, SamplingParams,
                      Started, TextDelta, TokenLogprob)
@@ -16,6 +16,7 @@ from .errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overload
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import Completion, CompletionChoice, CompletionLogprobs
+from .serving import check_choices, choice_params, interrupted, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 
 log = logging.getLogger(__name__)
