@@ -2,6 +2,7 @@
 own index whole and streamed, seeded choices reproducible and batch-invariant, n running places, bounded."""
 
 import threading
+import time
 
 import openai
 import pytest
@@ -128,8 +129,24 @@ def running(server) -> int:
     return requests.get(f"{server.url}/readyz", timeout=10).json()["running"]
 
 
-def test_n_choices_take_n_running_places(server, client):
-    held = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30000, stream=True, n=3, seed=1)
+def wait_idle(server) -> None:
+    """Wait until the worker runs and queues nothing (a closed stream frees its places at the engine's next step)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        readiness = requests.get(f"{server.url}/readyz", timeout=10).json()
+        if readiness["running"] == readiness["waiting"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the worker stayed busy")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_n_choices_take_n_running_places(server, client, route):
+    wait_idle(server)
+    if route == "chat":
+        held = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30000, stream=True, n=3, seed=1)
+    else:
+        held = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30000, stream=True, n=3, seed=1)
     queued = None
     try:
         next(iter(held))
