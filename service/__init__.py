@@ -19,6 +19,7 @@ class Corechat:
     settings: Settings
     engine: object
     chat: object
+    completions: object
     tokens: object
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -55,9 +56,11 @@ def configure_logging(settings: Settings) -> None:
 def register_core(app, settings: Settings, engine) -> None:
     """Attach the engine and the serving classes to the app."""
     from .chat import ChatCompletions
+    from .completions import TextCompletions
     from .engine import Engine
     from .tokenizing import Tokenization
 
     engine = engine or Engine(settings)
     chat = ChatCompletions(engine, settings)
-    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=chat, tokens=Tokenization(chat))
+    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat),
+                                          tokens=Tokenization(chat))

@@ -1,11 +1,15 @@
 """The HTTP routes: parse, check the cache, call the engine, respond."""
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flask import Blueprint, Response, current_app, jsonify, request
+from pydantic import BaseModel
 
 from .auth import caller_key_hash, may_see_details
 from .cache import no_cache_requested, set_status, settled_status
+from .completion_schemas import parse_completion_request
 from .disconnect import WatchedSource
 from .errors import InvalidRequest
 from .limits import read_request_body
@@ -14,6 +18,9 @@ from .observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
+
+if TYPE_CHECKING:
+    from .engine import EventSource, Generation
 
 bp = Blueprint("api", __name__)
 
@@ -32,32 +39,55 @@ def read_json_body():
     return parse_json_body(read_request_body())
 
 
-@bp.post("/v1/chat/completions")
-def create_chat_completion():
-    """Generate a chat completion, streamed as SSE or returned whole."""
-    chat = current_app.extensions["corechat"].chat
+class GenerationServing(Protocol):
+    """What the generating routes need of a serving class (chat's and legacy completions')."""
+
+    engine: Any
+
+    def prepare(self, request) -> Any: ...
+
+    def start(self, prepared, forced_ids: tuple[int, ...] = ()) -> "Generation": ...
+
+    def stream(self, prepared, source: "EventSource") -> Iterator[str]: ...
+
+    def complete(self, prepared, source: "EventSource") -> BaseModel: ...
+
+
+def serve_generation(serving: GenerationServing, parsed_request):
+    """Prepare a request, look its reply up in the cache (or generate it), and send it streamed or whole."""
     cache = current_app.extensions["corechat_cache"]
-    chat_request = parse_chat_request(read_json_body())
-    prepared = chat.prepare(chat_request)
+    prepared = serving.prepare(parsed_request)
     reply, cache_status = cache.open(
         prepared,
-        chat.engine.fingerprint,
-        lambda forced_ids: EngineWork(chat.start(prepared, forced_ids)),
+        serving.engine.fingerprint,
+        lambda forced_ids: EngineWork(serving.start(prepared, forced_ids)),
         scope=cache.scope(caller_key_hash()),
         opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
     )
     source = observe(reply)
-    if chat_request.stream:
-        response = Response(chat.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
+    if parsed_request.stream:
+        response = Response(serving.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
     else:
         try:
-            completion = chat.complete(prepared, WatchedSource(source, request.environ))
+            completion = serving.complete(prepared, WatchedSource(source, request.environ))
             response = jsonify(completion.model_dump(exclude_unset=True))
         finally:
             set_status(settled_status(reply, cache_status))
     # A stream whose client is gone before its first byte never runs its generator's `finally`.
     response.call_on_close(source.cancel)
     return response
+
+
+@bp.post("/v1/chat/completions")
+def create_chat_completion():
+    """Generate a chat completion, streamed as SSE or returned whole."""
+    return serve_generation(current_app.extensions["corechat"].chat, parse_chat_request(read_json_body()))
+
+
+@bp.post("/v1/completions")
+def create_completion():
+    """Continue a raw prompt (legacy text completions), streamed as SSE or returned whole."""
+    return serve_generation(current_app.extensions["corechat"].completions, parse_completion_request(read_json_body()))
 
 
 @bp.post("/tokenize")

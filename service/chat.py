@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 
 from .engine import (
-    EngineOverloaded,
-    EngineUnavailable,
+    ChoiceEvent,
+    ChoiceGroup,
     EventSource,
     Failed,
     Finished,
@@ -26,25 +26,17 @@ from .engine import (
     text_or_tool_call_grammar,
     tool_call_grammar,
 )
-from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
+from .errors import ContextLengthExceeded, InternalError, InvalidRequest
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
-from .protocol import AssistantMessage, ChatCompletion, Choice, PromptTokensDetails, Usage
-from .schemas import CalledFunction, ChatCompletionRequest
+from .protocol import AssistantMessage, ChatCompletion, Choice
+from .schemas import CalledFunction, ChatCompletionRequest, SamplingFields
+from .serving import check_choices, choice_params, interrupted, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
 log = logging.getLogger(__name__)
-
-
-def interrupted() -> Overloaded:
-    """Build the error for a reply the server stopped before its end (a stopping worker): OpenAI has
-    no `cancelled` finish reason, and a retry gets the whole reply."""
-    return Overloaded(
-        "the reply was interrupted before its end (the worker is stopping); retry it",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
 
 
 @dataclass(frozen=True)
@@ -53,11 +45,17 @@ class PreparedChat:
 
     request: ChatCompletionRequest
     prompt_ids: list[int]
-    params: SamplingParams
+    # Every choice's parameters (n of them): the first choice's are `params`.
+    choice_params: tuple[SamplingParams, ...]
     completion_id: str
     created: int
     # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
     model_name: str
+
+    @property
+    def params(self) -> SamplingParams:
+        """Return how the first choice samples, which is what the cache keys a reply by."""
+        return self.choice_params[0]
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
@@ -103,10 +101,13 @@ class ChatCompletions:
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
+        params = self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
+                                      top_logprobs=request.top_logprobs or 0)
+        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
         return PreparedChat(
             request=request,
             prompt_ids=prompt_ids,
-            params=self._sampling_params(request, len(prompt_ids), grammar),
+            choice_params=choice_params(params, request.choice_count),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model_name=model_name,
@@ -147,17 +148,20 @@ class ChatCompletions:
         except GrammarRefused as exc:
             raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
 
-    def _sampling_params(self, request: ChatCompletionRequest, prompt_tokens: int, grammar: str | None) -> SamplingParams:
-        """Fill omitted parameters from the model's generation config and check the lengths."""
+    def sampling_params(self, request: SamplingFields, prompt_tokens: int, grammar: str | None, *, logprobs: bool,
+                        top_logprobs: int, prompt_logprobs: int | None = None,
+                        prompt_param: str = "messages") -> SamplingParams:
+        """Fill omitted parameters from the model's generation config and check the lengths (chat's and legacy
+        completions' alike; `prompt_param` names the field a prompt too long for the context blames)."""
         limit, limit_name = self.token_limit()
         room = limit - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in {limit_name}",
-                param="messages",
+                param=prompt_param,
             )
         asked = request.requested_max_tokens
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        param = request.max_tokens_param
         if asked is not None and asked > self.settings.max_tokens_limit:
             raise InvalidRequest(
                 f"{param} is {asked}, above this server's limit of {self.settings.max_tokens_limit}",
@@ -183,12 +187,13 @@ class ChatCompletions:
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=self._repetition_penalty(request),
             grammar=grammar,
-            logprobs=bool(request.logprobs),
-            top_logprobs=request.top_logprobs or 0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             logit_bias=self._logit_bias(request),
+            prompt_logprobs=prompt_logprobs,
         )
 
-    def _logit_bias(self, request: ChatCompletionRequest) -> tuple[tuple[int, float], ...]:
+    def _logit_bias(self, request: SamplingFields) -> tuple[tuple[int, float], ...]:
         """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
         vocab_size = self.engine.template.vocab_size
         for token_id in map(int, request.logit_bias or {}):
@@ -197,7 +202,7 @@ class ChatCompletions:
                                      f"from 0 to {vocab_size - 1})", param="logit_bias")
         return request.token_biases
 
-    def _repetition_penalty(self, request: ChatCompletionRequest) -> float:
+    def _repetition_penalty(self, request: SamplingFields) -> float:
         """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
         transformers and vLLM apply it), else 1 (none)."""
         if request.repetition_penalty is not None:
@@ -225,84 +230,70 @@ class ChatCompletions:
         configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
         return openai_default if configured is None else type(openai_default)(configured)
 
-    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation:
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
-            return self.engine.submit(prepared.prompt_ids, prepared.params, forced_ids)
-        except EngineOverloaded as exc:
-            raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
         except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
             param = "tools" if prepared.request.forced_tools else "response_format"
             raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
-        except EngineUnavailable:
-            raise Overloaded(
-                "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-            ) from None
 
     # Rendering -----------------------------------------------------------------------------
     # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
     # half what building and dumping protocol.ChatCompletionChunk does. tests/test_protocol.py checks
     # that every chunk validates as that model and renders byte for byte as the model renders it.
 
-    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None) -> dict:
-        """Build one chat.completion.chunk object (`logprobs`: the entries of the tokens it delivers)."""
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,
+               index: int = 0) -> dict:
+        """Build one chat.completion.chunk object of choice `index` (`logprobs`: the entries of the tokens it delivers)."""
         chunk = {
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
             "created": prepared.created,
             "model": prepared.model_name,
             "system_fingerprint": self.engine.fingerprint or None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+            "choices": [{"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                          "finish_reason": finish_reason}],
         }
         if prepared.request.include_usage:
             chunk["usage"] = None
         return chunk
 
-    @staticmethod
-    def _usage(finished: Finished) -> Usage:
-        """Build the usage object of a finished generation."""
-        return Usage(
-            prompt_tokens=finished.prompt_tokens,
-            completion_tokens=finished.completion_tokens,
-            total_tokens=finished.prompt_tokens + finished.completion_tokens,
-            # A reply the response cache replays computed none of its prompt.
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=finished.prompt_tokens if finished.cached else finished.cached_prompt_tokens),
-        )
-
     def stream(self, prepared: PreparedChat, source: EventSource):
-        """Yield the SSE text of a reply; `source` gives engine events (a Generation or a replay).
+        """Yield the SSE text of a reply; `source` gives engine events (a Generation, a group of choices or a replay).
 
+        Each choice's chunks carry its index; with n > 1 they interleave as the choices' tokens come.
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
-        parser = prepared.tool_call_parser()
-        # Entries of tokens whose text is still held back go out with the next chunk.
-        logprobs: list[dict] = []
+        count = len(prepared.choice_params)
+        parsers = [prepared.tool_call_parser() for _ in range(count)]
+        # Entries of tokens whose text is still held back go out with the choice's next chunk.
+        held: list[list[dict]] = [[] for _ in range(count)]
         try:
-            yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}))
+            for index in range(count):
+                yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}, index=index))
             while True:
                 event = source.next_event(timeout=self.settings.sse_ping_seconds)
+                index, inner = split_choice(event)
                 if event is None:
                     yield PING
-                elif isinstance(event, TextDelta):
-                    logprobs += map(render_logprob, event.logprobs)
-                    for delta in self._deltas(prepared, parser, event.text):
-                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
-                        logprobs = []
+                elif isinstance(inner, TextDelta):
+                    held[index] += map(render_logprob, inner.logprobs)
+                    for delta in self._deltas(prepared, parsers[index], inner.text):
+                        yield sse_data(self._chunk(prepared, delta, logprobs=held[index], index=index))
+                        held[index] = []
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished) and inner.finish_reason != "cancelled":
+                        yield from self._end_choice(prepared, index, parsers[index], held[index], inner)
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
                         break
-                    for delta in self._deltas(prepared, parser, None):
-                        yield sse_data(self._chunk(prepared, delta, logprobs=logprobs))
-                        logprobs = []
-                    if logprobs:
-                        yield sse_data(self._chunk(prepared, {}, logprobs=logprobs))
-                    yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, event, parser)))
+                    if count == 1:
+                        yield from self._end_choice(prepared, 0, parsers[0], held[0], event)
                     if prepared.request.include_usage:
                         usage_chunk = self._chunk(prepared, {})
-                        usage_chunk.update(choices=[], usage=self._usage(event).model_dump())
+                        usage_chunk.update(choices=[], usage=usage_of(event).model_dump())
                         yield sse_data(usage_chunk)
                     break
                 elif isinstance(event, Failed):
@@ -311,6 +302,16 @@ class ChatCompletions:
             yield DONE
         finally:
             source.cancel()
+
+    def _end_choice(self, prepared: PreparedChat, index: int, parser: ToolCallParser | None, held: list[dict],
+                    finished: Finished):
+        """Yield the SSE text that ends one choice: its held-back text and entries, then its finish reason."""
+        for delta in self._deltas(prepared, parser, None):
+            yield sse_data(self._chunk(prepared, delta, logprobs=held, index=index))
+            held = []
+        if held:
+            yield sse_data(self._chunk(prepared, {}, logprobs=held, index=index))
+        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser), index=index))
 
     @staticmethod
     def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
@@ -336,13 +337,20 @@ class ChatCompletions:
         return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:
-        """Wait for the whole reply and return a chat.completion object."""
-        pieces, logprobs = [], []
+        """Wait for the whole reply (every choice) and return a chat.completion object."""
+        count = len(prepared.choice_params)
+        pieces: list[list[str]] = [[] for _ in range(count)]
+        logprobs: list[list[dict]] = [[] for _ in range(count)]
+        ended: list[Finished | None] = [None] * count
         try:
             for event in source.events():
-                if isinstance(event, TextDelta):
-                    pieces.append(event.text)
-                    logprobs += map(render_logprob, event.logprobs)
+                index, inner = split_choice(event)
+                if isinstance(inner, TextDelta):
+                    pieces[index].append(inner.text)
+                    logprobs[index] += map(render_logprob, inner.logprobs)
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished):
+                        ended[index] = inner
                 elif isinstance(event, Failed):
                     raise InternalError(event.message)
                 elif isinstance(event, Finished):
@@ -353,7 +361,22 @@ class ChatCompletions:
             source.cancel()
         if finished.finish_reason == "cancelled":
             raise interrupted()
-        text, calls = "".join(pieces), []
+        if count == 1:
+            ended[0] = finished
+        return ChatCompletion(
+            id=prepared.completion_id,
+            object="chat.completion",
+            created=prepared.created,
+            model=prepared.model_name,
+            system_fingerprint=self.engine.fingerprint or None,
+            choices=[self._choice(prepared, index, "".join(pieces[index]), logprobs[index], ended[index])
+                     for index in range(count)],
+            usage=usage_of(finished),
+        )
+
+    def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict], finished: Finished) -> Choice:
+        """Build one choice of a whole reply: its text, tool calls (or legacy function call) and finish reason."""
+        calls = []
         parser = prepared.tool_call_parser()
         if parser is not None:
             content, deltas = parser.feed(text)
@@ -366,19 +389,9 @@ class ChatCompletions:
             message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
         else:
             message = AssistantMessage(role="assistant", content=text)
-        return ChatCompletion(
-            id=prepared.completion_id,
-            object="chat.completion",
-            created=prepared.created,
-            model=prepared.model_name,
-            system_fingerprint=self.engine.fingerprint or None,
-            choices=[
-                Choice(
-                    index=0,
-                    message=message,
-                    logprobs={"content": logprobs} if prepared.params.logprobs else None,
-                    finish_reason=self._finish_reason(prepared, finished, parser),
-                )
-            ],
-            usage=self._usage(finished),
+        return Choice(
+            index=index,
+            message=message,
+            logprobs={"content": logprobs} if prepared.params.logprobs else None,
+            finish_reason=self._finish_reason(prepared, finished, parser),
         )

@@ -38,12 +38,12 @@ def check_prompt_text(prompt: str, param: str = "messages") -> None:
         ) from None
 
 
-def check_prompt_tokens(prompt_tokens: int, settings) -> None:
+def check_prompt_tokens(prompt_tokens: int, settings, param: str = "messages") -> None:
     """Refuse a prompt longer than the configured cap (the context window is checked elsewhere)."""
     if settings.max_prompt_tokens and prompt_tokens > settings.max_prompt_tokens:
         raise InvalidRequest(
             f"the prompt has {prompt_tokens} tokens, above this server's limit of {settings.max_prompt_tokens}",
-            param="messages",
+            param=param,
             code="prompt_too_long",
         )
 

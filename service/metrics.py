@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 bp = Blueprint("metrics", __name__)
 
-CHAT_ENDPOINT = "api.create_chat_completion"
+# Chat and legacy completions count in the same series: one engine serves both.
+GENERATION_ENDPOINTS = ("api.create_chat_completion", "api.create_completion")
 
 # From a cache hit (milliseconds) to a long reply on a busy CPU (minutes).
 LATENCY_BUCKETS = (
@@ -70,7 +71,7 @@ prompt_processing_seconds = Histogram(
 )
 requests_total = Counter(
     "corechat_requests",
-    "Chat completion requests by outcome: finish reason, cancelled, or error code.",
+    "Chat and legacy completion requests by outcome: finish reason, cancelled, or error code.",
     ["outcome"],
 )
 # The engine's work, as vLLM's token counters: every generation once, however many requests read it.
@@ -172,7 +173,7 @@ def count_refused_by_worker(code: str) -> None:
 
 def count_refused_request(response):
     """Count a chat request answered with an error before any generation was observed."""
-    if request.endpoint == CHAT_ENDPOINT and response.status_code >= 400 and not g.get("corechat_observed"):
+    if request.endpoint in GENERATION_ENDPOINTS and response.status_code >= 400 and not g.get("corechat_observed"):
         error = (response.get_json(silent=True) or {}).get("error") or {}
         requests_total.labels(error.get("code") or error.get("type") or f"http_{response.status_code}").inc()
     return response

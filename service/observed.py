@@ -13,7 +13,7 @@ import time
 from flask import g
 
 from . import metrics
-from .engine import Event, EventSource, Failed, Finished, Generation, Started, TextDelta
+from .engine import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, Started, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class EngineWork(EventSource):
     asking for the same reply: wrapping it here, not per request, counts the engine's work once.
     """
 
-    def __init__(self, generation: Generation):
+    def __init__(self, generation: Generation | ChoiceGroup):
         self.generation = generation
         self.sent_tokens = 0
         self._counted = False
@@ -39,12 +39,15 @@ class EngineWork(EventSource):
     def next_event(self, timeout: float | None = None) -> Event | None:
         """Return the generation's next event (or None on timeout), counting its tokens at its end."""
         event = self.generation.next_event(timeout=timeout)
-        if isinstance(event, TextDelta):
-            self.sent_tokens += len(event.token_ids)
+        # A choice's text counts as any text; a request's last event comes after its choices' ones.
+        text = event.event if isinstance(event, ChoiceEvent) else event
+        if isinstance(text, TextDelta):
+            self.sent_tokens += len(text.token_ids)
         elif isinstance(event, Finished):
             # A continuation's forced tokens are in completion_tokens, but the engine processed them as prompt.
             forced = len(self.generation.forced_ids)
-            self._count(processed_prompt=event.completion_tokens > 0,
+            # A reply of max_tokens 0 (a legacy completion's echo) had its prompt pass and no token.
+            self._count(processed_prompt=event.completion_tokens > 0 or event.prompt_seconds > 0,
                         generated=max(0, event.completion_tokens - forced))
         elif isinstance(event, Failed):
             self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
@@ -91,7 +94,7 @@ class ObservedGeneration(EventSource):
         event = self.source.next_event(timeout=timeout)
         if isinstance(event, Started):
             self._start(event)
-        elif isinstance(event, TextDelta):
+        elif isinstance(event, TextDelta) or (isinstance(event, ChoiceEvent) and isinstance(event.event, TextDelta)):
             if self.first_text_at is None:
                 self.first_text_at = time.monotonic()
                 metrics.time_to_first_token_seconds.observe(self.first_text_at - self.arrived_at)
@@ -128,8 +131,8 @@ class ObservedGeneration(EventSource):
         if finished.cached and not getattr(self.source, "generated", False):
             metrics.replayed_prompt_tokens_total.inc(finished.prompt_tokens)
             metrics.replayed_generation_tokens_total.inc(finished.completion_tokens)
-        # No completion tokens: the engine never ran the prompt (cancelled while queued).
-        if finished.completion_tokens > 0:
+        # No completion tokens and no prompt time: the engine never ran the prompt (cancelled while queued).
+        if finished.completion_tokens > 0 or finished.prompt_seconds > 0:
             if not finished.cached:
                 metrics.prompt_processing_seconds.observe(finished.prompt_seconds)
             if self.first_text_at is None:

@@ -11,6 +11,7 @@ from flask import Blueprint, jsonify
 from pydantic.json_schema import models_json_schema
 
 from .protocol import RESPONSE_MODELS
+from .completion_schemas import CompletionRequest
 from .schemas import ChatCompletionRequest
 from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
@@ -64,6 +65,16 @@ def _paths() -> dict:
                 "responses": {"200": chat_ok, "default": ERROR},
             }
         },
+        "/v1/completions": _post(
+            "Continue a raw prompt (legacy text completions), streamed or whole.", "CompletionRequest",
+            {"description": "The whole completion, or with `stream: true` a Server-Sent Events stream of "
+             "CompletionChunk `data:` events ending with `data: [DONE]`.",
+             "content": {
+                 "application/json": {"schema": {"$ref": REF.format(model="Completion")}},
+                 "text/event-stream": {"schema": {"type": "string"},
+                                       "x-event-schema": {"$ref": REF.format(model="CompletionChunk")}},
+             }},
+        ),
         "/tokenize": _post(
             "Turn text (`content` or `prompt`) or a conversation (`messages`, through the chat template) into token ids.",
             "TokenizeRequest", _json("TokenizeResponse", "The token ids, their count and the longest sequence allowed."),
@@ -107,7 +118,7 @@ def _paths() -> dict:
 def openapi_document() -> dict:
     """Build the OpenAPI document (once per process)."""
     # Responses in serialization mode: a field with a default is optional, as rendering leaves it out when unset.
-    requests = (ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
     models = [*((model, "validation") for model in requests), *((model, "serialization") for model in RESPONSE_MODELS)]
     _, schemas = models_json_schema(models, ref_template=REF)
     return {

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ErrorResponse
-from .schemas import MAX_TOP_LOGPROBS, CalledFunction, ToolCall
+from .schemas import MAX_CHOICES, MAX_TOP_LOGPROBS, CalledFunction, ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]
@@ -90,9 +90,9 @@ class AssistantMessage(_Response):
 
 
 class Choice(_Response):
-    """The one choice of a whole reply."""
+    """One choice of a whole reply (n of them, indexed from 0)."""
 
-    index: Literal[0]
+    index: Count
     message: AssistantMessage
     logprobs: LogprobsField
     finish_reason: FinishReason
@@ -106,7 +106,7 @@ class ChatCompletion(_Response):
     created: int
     model: str
     system_fingerprint: str | None
-    choices: Annotated[list[Choice], Field(min_length=1, max_length=1)]
+    choices: Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)]
     usage: Usage
 
 
@@ -138,9 +138,9 @@ class DeltaMessage(_Response):
 
 
 class ChunkChoice(_Response):
-    """The one choice of a chunk."""
+    """The choice a chunk adds to (its index; with n > 1 the choices' chunks interleave)."""
 
-    index: Literal[0]
+    index: Count
     delta: DeltaMessage
     logprobs: LogprobsField
     finish_reason: FinishReason | None
@@ -158,6 +158,65 @@ class ChatCompletionChunk(_Response):
     model: str
     system_fingerprint: str | None
     choices: Annotated[list[ChunkChoice], Field(max_length=1)]
+    usage: Usage | None = None
+
+
+CompletionFinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions' logprobs: per token its text, log probability (null for a prompt's first token, which
+    nothing predicts), most likely alternatives by text (the token itself among them; null where the log
+    probability is) and where it starts in the choice's text (counted across a stream's chunks)."""
+
+    tokens: list[str]
+    token_logprobs: list[Annotated[float, Field(le=0)] | None]
+    top_logprobs: list[dict[str, Annotated[float, Field(le=0)]] | None]
+    text_offset: list[Count]
+
+
+class CompletionChoice(_Response):
+    """One choice of a whole text completion (n of them, indexed from 0)."""
+
+    index: Count
+    text: str
+    logprobs: Annotated[CompletionLogprobs | None, Field(description="With `logprobs` set, the tokens' log "
+                                                                     "probabilities; otherwise null.")]
+    finish_reason: CompletionFinishReason
+
+
+class Completion(_Response):
+    """A whole reply to `POST /v1/completions`."""
+
+    id: Annotated[str, Field(pattern="^cmpl-")]
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)]
+    usage: Usage
+
+
+class CompletionChunkChoice(_Response):
+    """The choice a streamed text completion's chunk adds to: the text it adds (with `echo`, each choice's first
+    is the prompt) and, in its last, the finish reason."""
+
+    index: Count
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: CompletionFinishReason | None
+
+
+class CompletionChunk(_Response):
+    """One `data:` event of a streamed text completion, which ends with `data: [DONE]` as chat's do (pings,
+    errors and `stream_options.include_usage` alike)."""
+
+    id: Annotated[str, Field(pattern="^cmpl-")]
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: Annotated[list[CompletionChunkChoice], Field(max_length=1)]
     usage: Usage | None = None
 
 
@@ -213,5 +272,5 @@ class Readiness(_Response):
     waiting: Count
 
 
-RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Model, ModelList, TokenizeResponse, DetokenizeResponse,
-                   Health, Readiness)
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Model, ModelList,
+                   TokenizeResponse, DetokenizeResponse, Health, Readiness)

@@ -9,6 +9,8 @@ from . import nesting
 from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
+# The most choices (n) one request may ask for; each is a running sequence of its own.
+MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds of logit_bias: entries, and each value (-100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -162,13 +164,9 @@ class StreamOptions(StrictModel):
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 
-class ChatCompletionRequest(StrictModel):
-    """A `POST /v1/chat/completions` body."""
+class SamplingFields(StrictModel):
+    """The sampling fields chat and legacy completions share, and what fills SamplingParams from them."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT64)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64)
@@ -176,21 +174,12 @@ class ChatCompletionRequest(StrictModel):
     stop: StopString | list[StopString] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # null means the default for both, as OpenAI accepts.
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: > 1 makes tokens already in the prompt or reply less likely (as transformers does).
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
-    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
-    function_call: Literal["none", "auto"] | FunctionChoice | None = None
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "How many choices to sample from one prompt pass (at most 8, and at most MAX_RUNNING): each takes a running "
+        "place. With a seed, choice i draws with a seed derived from it and i (choice 0 with the seed itself); "
+        "greedy choices are all the same."))
     logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
         "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")
@@ -224,9 +213,58 @@ class ChatCompletionRequest(StrictModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
+        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
+
+    @property
+    def choice_count(self) -> int:
+        """Return how many choices the request asked for (null means 1)."""
+        return self.n or 1
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """Return the reply's length the request asked for, or None for the server's default."""
+        raise NotImplementedError
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Return the name of the field that sets the reply's length, for errors about it."""
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(SamplingFields):
+    """A `POST /v1/chat/completions` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
+    # null means the default for both, as OpenAI accepts.
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
+    functions: list[FunctionDefinition] | None = Field(None, min_length=1)
+    function_call: Literal["none", "auto"] | FunctionChoice | None = None
+    # Declared to be refused, not silently dropped: the model reads and writes text only.
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description="Only [\"text\"].")
+    audio: dict[str, Any] | None = Field(None, description="Refused: the model writes text only.")
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """Return max_completion_tokens, or the older max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Return the name of the field that set the reply's length, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -264,11 +302,6 @@ class ChatCompletionRequest(StrictModel):
     def legacy_functions(self) -> bool:
         """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
         return self.functions is not None
-
-    @property
-    def token_biases(self) -> tuple[tuple[int, float], ...]:
-        """Return logit_bias as (token id, value) pairs by id, leaving out the zeros, which change nothing."""
-        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items() if value))
 
     @property
     def json_schema(self) -> dict | None:
@@ -396,8 +429,8 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         message = f"'{param}' is a required property"
-    elif param == "n":
-        message = "only n=1 is supported"
+    elif param == "n" and first["type"] in ("less_than_equal", "greater_than_equal"):
+        message = f"invalid 'n': from 1 to {MAX_CHOICES} choices are allowed"
     elif first["type"] == "literal_error":
         # Each alternative of a union names only its own values; the client needs all of them.
         expected = [error["ctx"]["expected"] for error in errors
@@ -408,9 +441,18 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(message, param=param or None)
 
 
+def _check_text_only(request: ChatCompletionRequest) -> None:
+    """Refuse audio output, which the model cannot write."""
+    if request.audio is not None:
+        raise InvalidRequest("'audio' is not supported: the model writes text only", param="audio")
+    if request.modalities is not None and "audio" in request.modalities:
+        raise InvalidRequest("'modalities' may only be [\"text\"]: the model writes text only", param="modalities")
+
+
 def parse_chat_request(body) -> ChatCompletionRequest:
     """Validate a decoded JSON body, raising InvalidRequest naming the first bad field."""
     request = parse_body(ChatCompletionRequest, body)
+    _check_text_only(request)
     check_messages(request.messages)
     _check_function_fields(request)
     _check_tool_fields(request)

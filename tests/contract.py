@@ -43,7 +43,8 @@ def assert_matches_contract(path: str, method: str, status: int, content_type: s
     if media_type == "text/event-stream":
         payloads = sse_payloads(body.decode())
         assert payloads[-1] == "[DONE]"
-        chunk, error = schema_validator("ChatCompletionChunk", document), schema_validator("ErrorResponse", document)
+        event_schema = content["x-event-schema"]["$ref"].removeprefix("#/components/schemas/")
+        chunk, error = schema_validator(event_schema, document), schema_validator("ErrorResponse", document)
         for payload in payloads[:-1]:
             assert chunk.is_valid(payload) or error.is_valid(payload), payload
     elif media_type == "application/json":

@@ -172,7 +172,8 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": USER, "stop": 5}, "stop"),
         ({"messages": USER, "stop": [""]}, "stop[0]"),
-        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "n": 9}, "n"),
+        ({"messages": USER, "n": 0}, "n"),
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"messages": USER, "tools": {"type": "function"}}, "tools"),
@@ -420,3 +421,27 @@ def test_tools_and_a_tool_round_trip_render_through_the_models_template(app):
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
     without = chat.prepare(parse_chat_request({"messages": messages, "tools": [TOOL], "tool_choice": "none"}))
     assert "<tools>" not in chat.engine.tokenizer.decode(without.prompt_ids)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+])
+def test_images_and_audio_are_refused_naming_the_field(client, body, param):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["param"] == param
+
+
+def test_text_as_the_only_modality_is_accepted(client):
+    assert chat(client, max_tokens=1, modalities=["text"]).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses"])
+def test_routes_not_served_are_404s(client, path):
+    response = client.post(path, json={"input": "x", "model": "tiny"})
+    assert response.status_code == 404 and response.get_json()["error"]["code"] == "not_found"

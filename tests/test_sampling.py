@@ -12,8 +12,10 @@ from service.engine.sampling import (
     SamplingParams,
     biased,
     candidate_floors,
+    choice_seed,
     kept_floors,
     penalized,
+    prompt_token_logprobs,
     sample_tokens,
     token_logprobs,
 )
@@ -195,3 +197,26 @@ def test_logprobs_are_of_the_penalized_logits_over_the_temperature_before_top_k(
     greedy = torch.log_softmax(penalized(samplers[2:], logits[2:])[0], dim=-1)  # greedy: temperature 1
     assert entries[2].top[0] == (tokens[2], pytest.approx(float(greedy[tokens[2]]), abs=1e-5))
     assert len(entries[2].top) == 10, "forbidden tokens are no alternatives"
+
+
+def test_the_first_choice_keeps_the_seed_and_every_other_gets_its_own():
+    seeds = [choice_seed(1234, index) for index in range(8)]
+    assert seeds[0] == 1234 and len(set(seeds)) == 8
+    assert seeds == [choice_seed(1234, index) for index in range(8)]
+    assert all(0 <= seed < 2**63 for seed in seeds[1:])
+    assert choice_seed(-5, 0) == -5 and choice_seed(-5, 1) != choice_seed(5, 1)
+
+
+def test_prompt_token_logprobs_are_the_raw_distributions_of_the_next_tokens_with_their_most_likely():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=generator) * 3
+    next_ids = [7, 3, 49]
+    scored = prompt_token_logprobs(logits, next_ids, top=2)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert len(scored) == 3  # the last row predicts a token past the prompt: not scored
+    for row, (token, entry) in enumerate(zip(next_ids, scored)):
+        assert entry.logprob == pytest.approx(float(expected[row, token]), abs=1e-6)
+        best = torch.topk(expected[row], 2)
+        assert [token for token, _ in entry.top] == best.indices.tolist()
+        assert [value for _, value in entry.top] == pytest.approx(best.values.tolist(), abs=1e-6)
+    assert all(entry.top == () for entry in prompt_token_logprobs(logits, next_ids, top=0))

@@ -26,7 +26,8 @@ __all__ = ["CachedReply", "Flight", "FlightReader", "ResponseCache", "cache_key"
 log = logging.getLogger(__name__)
 
 OPT_OUT_DIRECTIVES = {"no-cache", "no-store"}
-CHAT_PATH = "/v1/chat/completions"
+# The routes whose replies the cache serves: each response says what the cache did.
+CACHED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def no_cache_requested(cache_control: str) -> bool:
@@ -103,8 +104,10 @@ class ResponseCache:
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
         """
-        # A stored reply keeps its text, not its logprobs: requests for them always generate.
-        if opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs:
+        # A stored reply keeps its text, not its logprobs: requests for them always generate. A reply is one
+        # choice's: a request for several (n > 1) always generates too.
+        if (opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs
+                or len(prepared.choice_params) > 1):
             return start(()), self._lookup_result("bypass")
         digest = cache_key(fingerprint, scope, prepared.prompt_ids, prepared.params)
         with self._flights_lock:
@@ -155,8 +158,8 @@ def set_status(status: str) -> None:
 
 
 def add_status_header(response):
-    """Put X-Cache on every chat response, errors included (`bypass` when the cache was not consulted)."""
-    if request.path == CHAT_PATH:
+    """Put X-Cache on every chat or completion response, errors included (`bypass` when the cache was not consulted)."""
+    if request.path in CACHED_PATHS:
         response.headers["X-Cache"] = g.get("corechat_x_cache", "bypass")
     return response
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from .events import Failed, Generation
+from .events import ChoiceGroup, Failed, Generation
 from .grammar import Grammars
 from .loading import (
     inherited_tokenizer,
@@ -137,8 +137,9 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Return the number of requests queued and not yet started."""
-        return self._pending.qsize()
+        """Return the places the queued requests take (one per choice), none started yet."""
+        with self._pending.mutex:
+            return sum(generation.places for generation in self._pending.queue)
 
     @property
     def running(self) -> int:
@@ -221,9 +222,11 @@ class Engine:
             self._closed_reason = self._closed_reason or reason
         while True:
             try:
-                self._pending.get_nowait().send(Failed(reason))
+                queued = self._pending.get_nowait()
             except queue.Empty:
                 return
+            for generation in queued.choices:
+                generation.send(Failed(reason))
 
     def _fail(self, reason: str, *, while_loading: bool) -> None:
         """Stop serving for good: not ready, every queued request failed, the worker told."""
@@ -253,19 +256,38 @@ class Engine:
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
+        generation = self._generation(prompt_ids, params, forced_ids)
+        self._queue(generation)
+        return generation
+
+    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams]) -> ChoiceGroup:
+        """Queue several choices of one prompt (n > 1), each sampled with its own parameters, as one request.
+
+        They take one place in the queue and n running places, share one prompt pass and decode as n
+        rows; errors as submit's.
+        """
+        group = ChoiceGroup([self._generation(prompt_ids, params, ()) for params in choice_params])
+        self._queue(group.lead)
+        return group
+
+    def _generation(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...]) -> Generation:
+        """Make a generation with its grammar's matcher."""
         # Made here, in the request's thread: the first one builds the view of the vocabulary, which the engine must not wait for.
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        generation = Generation(prompt_ids, params, forced_ids, grammar)
-        if self.kv_token_budget and most_tokens(generation) > self.kv_token_budget:
-            raise ValueError(f"{most_tokens(generation)} tokens exceed the KV budget of {self.kv_token_budget}")
+        return Generation(prompt_ids, params, forced_ids, grammar)
+
+    def _queue(self, generation: Generation) -> None:
+        """Put a generation (and its sibling choices) in the queue if its places are free."""
+        needed = most_tokens(generation) * generation.places
+        if self.kv_token_budget and needed > self.kv_token_budget:
+            raise ValueError(f"{needed} tokens exceed the KV budget of {self.kv_token_budget}")
         full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
         with self._admission:
             if self._closed_reason is not None or self._stopping.is_set():
                 raise EngineUnavailable(self._closed_reason or "the engine is shutting down")
-            if self.running + self._pending.qsize() >= self.settings.request_places:
+            if self.running + self.waiting + generation.places > self.settings.request_places:
                 raise full
             try:
                 self._pending.put_nowait(generation)
             except queue.Full:
                 raise full from None
-        return generation

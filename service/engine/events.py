@@ -40,6 +40,16 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own token logprobs, sent once after its pass when the request asked (before any text)."""
+
+    # The prompt's first token, which nothing before it predicts: its text alone.
+    first_token: str
+    # Every later prompt token, each under the model's distribution at the position before it.
+    entries: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class Finished:
     """The generation ended; the last event of a successful generation."""
 
@@ -60,7 +70,15 @@ class Failed:
     message: str
 
 
-Event = Started | TextDelta | Finished | Failed
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """An event of one choice of a request that asked for several (n > 1)."""
+
+    index: int
+    event: "PromptLogprobs | TextDelta | Finished | Failed"
+
+
+Event = Started | PromptLogprobs | TextDelta | Finished | Failed | ChoiceEvent
 
 
 class EventSource(Protocol):
@@ -103,8 +121,22 @@ class Generation(EventSource):
         # The llguidance matcher of params.grammar, advanced by each token of the reply.
         self.grammar = grammar
         self.submitted_at = time.monotonic()
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
+        # The other choices of a request with n > 1: they share this one's place in the queue and its
+        # prompt pass, and each decodes as a row of its own (ChoiceGroup joins their events).
+        self.siblings: tuple[Generation, ...] = ()
+        self._choice: int | None = None
+
+    @property
+    def choices(self) -> "tuple[Generation, ...]":
+        """Return every choice this generation's prompt pass serves: itself, then its siblings."""
+        return (self, *self.siblings)
+
+    @property
+    def places(self) -> int:
+        """Return the running places the generation takes: one per choice."""
+        return 1 + len(self.siblings)
 
     @property
     def input_ids(self) -> list[int]:
@@ -128,5 +160,76 @@ class Generation(EventSource):
             return None
 
     def send(self, event: Event) -> None:
-        """Deliver an event to the request (engine side)."""
-        self._events.put(event)
+        """Deliver an event to the request (engine side); a choice of a group tags it with its index."""
+        self._events.put(event if self._choice is None or isinstance(event, Started) else ChoiceEvent(self._choice, event))
+
+
+class ChoiceGroup(EventSource):
+    """The n generations of one request (n > 1), read as one source: each choice's events as ChoiceEvents (the
+    first Started as it is), then, once every choice ended, one Finished for the request (its prompt counted
+    once, the choices' tokens summed; cancelled if any was), or the first Failed."""
+
+    def __init__(self, generations: list[Generation]):
+        lead, *siblings = generations
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        for index, generation in enumerate(generations):
+            generation._events, generation._choice = events, index
+        lead.siblings = tuple(siblings)
+        self.lead = lead
+        self.generations = generations
+        self._events = events
+        self._ended: dict[int, Finished | Failed] = {}
+        self._last: Finished | Failed | None = None
+        self._done = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """Return the prompt every choice continues."""
+        return self.lead.prompt_ids
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Return the tokens the prompt pass processes."""
+        return self.lead.input_ids
+
+    @property
+    def forced_ids(self) -> tuple[int, ...]:
+        """Return no forced tokens: a group is never a continuation."""
+        return ()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop every choice."""
+        for generation in self.generations:
+            generation.cancel()
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """Return the next event of any choice, then the request's last (or None on timeout)."""
+        if self._last is not None and not self._done:
+            self._done = True
+            return self._last
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(event, ChoiceEvent) and isinstance(event.event, (Finished, Failed)):
+            self._ended[event.index] = event.event
+            if len(self._ended) == len(self.generations):
+                self._last = self._summary()
+        return event
+
+    def _summary(self) -> Finished | Failed:
+        """Return the request's last event from its choices' ones."""
+        ended = [self._ended[index] for index in range(len(self.generations))]
+        failed = [event for event in ended if isinstance(event, Failed)]
+        if failed:
+            return failed[0]
+        first = ended[0]
+        cancelled = any(event.finish_reason == "cancelled" for event in ended)
+        return Finished(
+            finish_reason="cancelled" if cancelled else first.finish_reason,
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(event.completion_tokens for event in ended),
+            prompt_seconds=first.prompt_seconds,
+            decode_seconds=max(event.decode_seconds for event in ended),
+            cached_prompt_tokens=first.cached_prompt_tokens,
+        )

@@ -45,6 +45,9 @@ class SamplingParams:
     top_logprobs: int = 0
     # OpenAI's logit_bias: (token id, value) pairs, by id, added to the model's logits before anything else.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The prompt's own token logprobs (legacy completions' echo), with this many alternatives at each
+    # position; None for none. The prompt pass then keeps the logits of every position.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +58,19 @@ class SamplingParams:
 def step_seed(seed: int, position: int) -> int:
     """Return the seed of the draw for the token at `position` of a reply seeded with `seed`."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Return the seed of choice `index` of a request seeded with `seed` that asked for several (n > 1).
+
+    The first choice keeps the seed, so it is the reply the same request with n = 1 gets; each other
+    one's is a hash of the seed and its index. Each draw depends on its choice's seed and position
+    alone, so every choice is reproducible whatever the batch around it.
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -177,6 +193,22 @@ def token_logprobs(samplers: Sequence[Sampler], logits: torch.Tensor, tokens: Se
                           if value != float("-inf"))
         result[row] = TokenLogprobs(float(logprobs[slot, tokens[row]]), pairs)
     return result
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_ids: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Return the log probability of each of `next_ids` under the row of `logits` [rows, vocab] before it, with
+    the row's `top` most likely tokens.
+
+    The model's own distribution (no temperature, penalty or bias): what scoring a text asks, and what
+    vLLM's prompt logprobs report.
+    """
+    logprobs = torch.log_softmax(logits[: len(next_ids)].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(next_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprobs(value) for value in chosen]
+    values, indices = torch.topk(logprobs, top, dim=-1)
+    return [TokenLogprobs(value, tuple(zip(row_ids, row_values)))
+            for value, row_ids, row_values in zip(chosen, indices.tolist(), values.tolist(), strict=True)]
 
 
 def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

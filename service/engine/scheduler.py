@@ -11,12 +11,12 @@ from transformers import DynamicCache
 
 from .batching import DecodeBatch
 from .cores import SharedCores
-from .events import Failed, Finished, Generation, Started, TextDelta
+from .events import Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
 from .grammar import mask_logits
 from .kvcache import new_cache, reserve
 from .memory import reserved_kv_tokens, return_freed_memory
 from .prefixes import PrefixStore
-from .sampling import Sampler, TokenLogprobs, biased, sample_tokens, token_logprobs
+from .sampling import Sampler, TokenLogprobs, biased, prompt_token_logprobs, sample_tokens, token_logprobs
 from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ IDLE_POLL_SECONDS = 0.5
 # The fewest prompt tokens a chunk holds (settings' least PREFILL_CHUNK_TOKENS), however slow the
 # prompt speed: each chunk reads every weight once, so tiny chunks would mostly read.
 MIN_CHUNK_TOKENS = 16
+# The most prompt tokens a chunk holds when the request asked for the prompt's logprobs: each keeps a
+# row of logits over the whole vocabulary.
+PROMPT_LOGPROBS_CHUNK_TOKENS = 64
 
 
 def chunk_tokens(most: int, stall_seconds: float, seconds_per_token: float | None) -> int:
@@ -77,6 +80,21 @@ class _Sequence:
     taken_ids: list[int] = field(default_factory=list)
     # The final event of a sequence that ended in the batch, sent once it left.
     final: Finished | None = None
+    # The prompt's own token logprobs so far, when the request asked for them.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The other choices of a request with n > 1, waiting on this sequence's prompt pass (their `cache` is
+    # this one's until they join the batch, each as a row copied from it).
+    siblings: list["_Sequence"] = field(default_factory=list)
+
+    @property
+    def group(self) -> list["_Sequence"]:
+        """Return this sequence and its sibling choices."""
+        return [self, *self.siblings]
+
+
+def places(prefilling: list[_Sequence]) -> int:
+    """Return the running places prompts in their pass take: one per choice."""
+    return sum(1 + len(sequence.siblings) for sequence in prefilling)
 
 
 class Scheduler:
@@ -123,7 +141,7 @@ class Scheduler:
                 self._prefill_some(active, prefilling, batch)
                 self._decode_step(active, batch)
                 busy = self.running
-                self.running = len(active) + len(prefilling)
+                self.running = len(active) + places(prefilling)
                 if busy and not self.running:
                     self.cores.release()
                     # Going idle: glibc keeps what the finished requests freed (caches, prompts,
@@ -131,18 +149,18 @@ class Scheduler:
                     return_freed_memory()
         except Exception as exc:
             log.exception("the engine loop failed; failing every request of this worker")
-            for sequence in active + prefilling:
+            for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self.running = 0
             raise
-        for sequence in active + prefilling:
+        for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
             self._finish(sequence, "cancelled")
 
     def run_to_end(self, generations: list[Generation]) -> None:
         """Run generations to their end without admitting others (the warm-up)."""
         batch = DecodeBatch(self.model.config)
         sequences = [self._begin(generation) for generation in generations]
-        active = [sequence for sequence in sequences if self._prefill(sequence, len(sequence.next_input))]
+        active = [going for sequence in sequences for going in self._prefill(sequence, len(sequence.next_input))]
         if active:
             batch.join([sequence.cache for sequence in active])
         while active:
@@ -159,13 +177,14 @@ class Scheduler:
             if cancelled:
                 self.pending.not_full.notify(len(cancelled))
         for generation in cancelled:
-            generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
+            for choice in generation.choices:
+                choice.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
 
     def _admit(self, active: list[_Sequence], prefilling: list[_Sequence]) -> None:
-        """Take queued requests while places and KV memory are free (blocking briefly when idle)."""
-        while len(active) + len(prefilling) < self.settings.max_running:
+        """Take queued requests while places (one per choice) and KV memory are free (blocking briefly when idle)."""
+        while len(active) + places(prefilling) < self.settings.max_running:
             idle = not active and not prefilling
-            if not idle and not self._next_fits(active + prefilling):
+            if not idle and not self._next_fits(active, prefilling):
                 # It waits, counted and pinged, and so does everything behind it: a long prompt
                 # is not overtaken by short ones for ever.
                 break
@@ -174,47 +193,61 @@ class Scheduler:
             except queue.Empty:
                 break
             if generation.cancelled:
-                generation.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
+                for choice in generation.choices:
+                    choice.send(Finished("cancelled", len(generation.prompt_ids), 0, 0.0, 0.0))
                 continue
             taken_at = time.monotonic()
-            # Its place is counted before it hears it started: a client that saw it start sees it running.
-            self.running = len(active) + len(prefilling) + 1
+            # Its places are counted before it hears it started: a client that saw it start sees it running.
+            self.running = len(active) + places(prefilling) + generation.places
             generation.send(Started(taken_at - generation.submitted_at, taken_at=taken_at))
             try:
                 prefilling.append(self._begin(generation))
             except Exception as exc:  # one request's bad parameters must not stop the others
                 log.exception("a generation failed to start")
-                generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+                for choice in generation.choices:
+                    choice.send(Failed(f"generation failed: {type(exc).__name__}"))
             # Counted before its first token goes out, so a client that saw a token sees it running.
-            self.running = len(active) + len(prefilling)
+            self.running = len(active) + places(prefilling)
 
-    def _next_fits(self, running: list[_Sequence]) -> bool:
-        """Tell whether the oldest queued request fits the KV budget next to the running sequences."""
+    def _next_fits(self, active: list[_Sequence], prefilling: list[_Sequence]) -> bool:
+        """Tell whether the oldest queued request (all its choices) fits the running places and the KV budget
+        next to the running sequences; a request of n choices waits until n places are free."""
         try:
             # Only this thread takes from the queue, so the head stays the one get() returns.
             head = self.pending.queue[0]
         except IndexError:
             return True
-        generations = [sequence.generation for sequence in running] + [head]
-        return head.cancelled or reserved_kv_tokens(generations) <= self.kv_token_budget
+        if head.cancelled:
+            return True
+        if len(active) + places(prefilling) + head.places > self.settings.max_running:
+            return False
+        running = active + [choice for sequence in prefilling for choice in sequence.group]
+        generations = [sequence.generation for sequence in running] + list(head.choices)
+        return reserved_kv_tokens(generations) <= self.kv_token_budget
 
     def _begin(self, generation: Generation) -> _Sequence:
         """Create the engine state of a generation, starting from the longest stored prefix of its prompt."""
         now = time.monotonic()
         deadline_seconds = generation.params.deadline_seconds or self.settings.max_generation_seconds
         input_ids = generation.input_ids
-        cache, cached = self.prefixes.lookup(input_ids)
-        sequence = _Sequence(
-            generation=generation,
-            sampler=Sampler(generation.params, self.model.config.vocab_size, generation.prompt_ids),
-            text=TextAssembler(self.tokenizer, generation.params.stop),
-            # Room for the whole prompt at once: its pass never copies the cache to grow it.
-            cache=reserve(cache if cache is not None else new_cache(self.model.config), len(input_ids)),
-            started_at=now,
-            next_input=input_ids[cached:],
-            cached_prompt_tokens=cached,
-            deadline=now + deadline_seconds,
-        )
+        # A stored prefix has no logits: a request for the prompt's logprobs passes its whole prompt.
+        cache, cached = (None, 0) if generation.params.prompt_logprobs is not None else self.prefixes.lookup(input_ids)
+        # Room for the whole prompt at once: its pass never copies the cache to grow it.
+        cache = reserve(cache if cache is not None else new_cache(self.model.config), len(input_ids))
+        group = [
+            _Sequence(
+                generation=choice,
+                sampler=Sampler(choice.params, self.model.config.vocab_size, choice.prompt_ids),
+                text=TextAssembler(self.tokenizer, choice.params.stop),
+                cache=cache,
+                started_at=now,
+                next_input=input_ids[cached:],
+                cached_prompt_tokens=cached,
+                deadline=now + deadline_seconds,
+            )
+            for choice in generation.choices
+        ]
+        sequence, sequence.siblings = group[0], group[1:]
         self._force(sequence, generation.forced_ids)
         return sequence
 
@@ -254,14 +287,15 @@ class Scheduler:
         shares = prompt_shares(budget, [len(sequence.next_input) for sequence in prefilling])
         began, tokens, joining, done = time.monotonic(), 0, [], []
         for sequence, share in zip(list(prefilling), shares, strict=True):
+            if sequence.generation.params.prompt_logprobs is not None:
+                share = min(share, PROMPT_LOGPROBS_CHUNK_TOKENS)
             if not share:
                 continue
             tokens += share
-            goes_on = self._prefill(sequence, share)
-            if goes_on is not None:
+            going_on = self._prefill(sequence, share)
+            if going_on is not None:
                 done.append(sequence)
-                if goes_on:
-                    joining.append(sequence)
+                joining += going_on
         if tokens:
             # Measured over the whole step: several prompts' pieces, each reading every weight once.
             self._thread_seconds_per_prompt_token = (time.monotonic() - began) * self.cores.threads / tokens
@@ -276,10 +310,11 @@ class Scheduler:
         if not given_up:
             return
         prefilling[:] = [sequence for sequence in prefilling if not any(sequence is ended for ended in given_up)]
-        # The place is free before the last event goes out: a client that saw it end may submit again.
-        self.running -= len(given_up)
+        # The places are free before the last event goes out: a client that saw it end may submit again.
+        self.running -= places(given_up)
         for sequence in given_up:
-            self._finish(sequence, "cancelled" if sequence.generation.cancelled else "length")
+            for choice in sequence.group:
+                self._finish(choice, "cancelled" if sequence.generation.cancelled else "length")
 
     def _join(self, active: list[_Sequence], batch: DecodeBatch, joining: list[_Sequence]) -> None:
         """Move sequences whose prompt pass is done into the decode batch.
@@ -288,6 +323,7 @@ class Scheduler:
         sequences already sent their first token, so each ends with an error event.
         """
         try:
+            # The choices of one prompt hand in the same cache: each gets a row copied from it.
             batch.join([sequence.cache for sequence in joining])
         except Exception as exc:
             log.exception("joining the decode batch failed")
@@ -308,28 +344,38 @@ class Scheduler:
             return True
         return False
 
-    def _prefill(self, sequence: _Sequence, tokens: int) -> bool | None:
-        """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take a token.
+    def _prefill(self, sequence: _Sequence, tokens: int) -> list[_Sequence] | None:
+        """Process the next `tokens` prompt tokens (past its stored prefix); after the last, take each choice's
+        first token from the last position's logits (one prompt pass for all of a request's choices).
 
-        Return None while prompt tokens remain, else whether the sequence goes on.
+        Return None while prompt tokens remain, else the choices that go on.
         """
+        group = sequence.group
         if sequence.generation.cancelled:
-            self._finish(sequence, "cancelled")
-            return False
+            for choice in group:
+                self._finish(choice, "cancelled")
+            return []
         try:
             began = time.monotonic()
+            start = len(sequence.generation.input_ids) - len(sequence.next_input)
             chunk, sequence.next_input = sequence.next_input[:tokens], sequence.next_input[tokens:]
+            scoring = sequence.generation.params.prompt_logprobs is not None
+            samplers = [choice.sampler for choice in group]
             with torch.inference_mode():
                 output = self.model(
                     input_ids=torch.tensor([chunk]),
                     cache=sequence.cache,
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=0 if scoring else 1,
                 )
+                if scoring:
+                    self._score_prompt(sequence, start, output.logits[0])
                 if not sequence.next_input:
                     self.prefixes.store_cache(sequence.generation.input_ids, sequence.cache)
-                    logits = biased([sequence.sampler], output.logits[0, -1:])
-                    mask_logits(logits, [sequence.generation.grammar])
+                    last = output.logits[0, -1:]
+                    # A row per choice: each is biased, masked and drawn from on its own.
+                    logits = biased(samplers, last if len(group) == 1 else last.repeat(len(group), 1))
+                    mask_logits(logits, [choice.generation.grammar for choice in group])
             elapsed = time.monotonic() - began
             sequence.prompt_seconds += elapsed
             log.debug("prompt chunk: %d tokens in %.3f s on %d threads", len(chunk), elapsed, self.cores.threads)
@@ -338,14 +384,41 @@ class Scheduler:
             self.facts["prefix_cache_bytes"] = self.prefixes.bytes
             if sequence.cached_prompt_tokens:
                 self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
-            if sequence.generation.forced_ids and self._forced_reply_ended(sequence):
-                return False
-            token_id = sample_tokens([sequence.sampler], logits)[0]
-            return self._advance(sequence, token_id, token_logprobs([sequence.sampler], logits, [token_id])[0])
+            for choice in sequence.siblings:
+                choice.prompt_seconds = sequence.prompt_seconds
+            if scoring:
+                self._send_prompt_logprobs(sequence)
+            # A continuation's forced tokens may already end the reply; max_tokens 0 asks for the prompt pass alone.
+            if sequence.generation.forced_ids or not sequence.generation.params.max_tokens:
+                if all([self._forced_reply_ended(choice) for choice in group]):
+                    return []
+            token_ids = sample_tokens(samplers, logits)
+            logprobs = token_logprobs(samplers, logits, token_ids)
         except Exception as exc:  # one bad prompt must not stop the others
             log.exception("prompt pass failed")
-            sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            return False
+            for choice in group:
+                choice.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
+            return []
+        return [choice for choice, token_id, logprob in zip(group, token_ids, logprobs, strict=True)
+                if self._advance_or_fail(choice, token_id, logprob)]
+
+    def _score_prompt(self, sequence: _Sequence, start: int, logits: torch.Tensor) -> None:
+        """Keep the logprobs of the prompt tokens that the chunk starting at position `start` predicts."""
+        prompt_ids = sequence.generation.prompt_ids
+        next_ids = prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        if not next_ids:
+            return
+        top = sequence.generation.params.prompt_logprobs
+        for token_id, scored in zip(next_ids, prompt_token_logprobs(logits, next_ids, top), strict=True):
+            sequence.prompt_logprobs.append(self.speller.logprob(token_id, scored.logprob, scored.top))
+
+    def _send_prompt_logprobs(self, sequence: _Sequence) -> None:
+        """Send the prompt's token logprobs to each choice, its first token (which has none) spelled alone."""
+        first = self.speller.bytes_of(sequence.generation.prompt_ids[0]).decode("utf-8", errors="replace")
+        event = PromptLogprobs(first, tuple(sequence.prompt_logprobs))
+        for choice in sequence.group:
+            choice.generation.send(event)
+        sequence.prompt_logprobs = []
 
     # Decode steps ---------------------------------------------------------------------------
 
