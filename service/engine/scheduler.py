@@ -124,6 +124,8 @@ class Scheduler:
         # The last prompt chunk's CPU-thread seconds per token (None until one ran), for cutting the
         # next: a lone prompt runs on lent cores, one beside streams often on the worker's own.
         self._thread_seconds_per_prompt_token: float | None = None
+        # Final events of sequences that ended this step, sent by _send_ended.
+        self._ended: list[tuple[Generation, Finished]] = []
 
     def serve(self, stopping: threading.Event) -> None:
         """Admit queued requests, advance prompts by a chunk, then every running sequence by one token, until stopping.
@@ -142,6 +144,7 @@ class Scheduler:
                 self._decode_step(active, batch)
                 busy = self.running
                 self.running = len(active) + places(prefilling)
+                self._send_ended()
                 if busy and not self.running:
                     self.cores.release()
                     # Going idle: glibc keeps what the finished requests freed (caches, prompts,
@@ -149,12 +152,15 @@ class Scheduler:
                     return_freed_memory()
         except Exception as exc:
             log.exception("the engine loop failed; failing every request of this worker")
+            self._send_ended()
             for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
             self.running = 0
             raise
         for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
             self._finish(sequence, "cancelled")
+        self.running = 0
+        self._send_ended()
 
     def run_to_end(self, generations: list[Generation]) -> None:
         """Run generations to their end without admitting others (the warm-up)."""
@@ -165,6 +171,7 @@ class Scheduler:
             batch.join([sequence.cache for sequence in active])
         while active:
             self._decode_step(active, batch)
+        self._send_ended()
 
     # Admission ------------------------------------------------------------------------------
 
@@ -310,8 +317,6 @@ class Scheduler:
         if not given_up:
             return
         prefilling[:] = [sequence for sequence in prefilling if not any(sequence is ended for ended in given_up)]
-        # The places are free before the last event goes out: a client that saw it end may submit again.
-        self.running -= places(given_up)
         for sequence in given_up:
             for choice in sequence.group:
                 self._finish(choice, "cancelled" if sequence.generation.cancelled else "length")
@@ -467,7 +472,7 @@ class Scheduler:
             sequence = active[row]
             if sequence.final is not None:
                 self._store_reply(sequence, batch, row)
-                sequence.generation.send(sequence.final)
+                self._ended.append((sequence.generation, sequence.final))
         batch.leave(rows)
         active[:] = [sequence for row, sequence in enumerate(active) if row not in set(rows)]
 
@@ -539,4 +544,11 @@ class Scheduler:
             # turn, which only a client that saw this end sends, finds it.
             sequence.final = finished
         else:
-            sequence.generation.send(finished)
+            self._ended.append((sequence.generation, finished))
+
+    def _send_ended(self) -> None:
+        """Send the final events of the sequences that ended, once `running` no longer counts them:
+        a client that saw its reply end never sees its place still taken."""
+        for generation, finished in self._ended:
+            generation.send(finished)
+        self._ended.clear()
