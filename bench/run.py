@@ -289,8 +289,7 @@ def scenario_system_prompt(url: str, plan: Plan, workers: int) -> dict:
         system = long_system_prompt(plan.system_prompt_tokens, uuid.uuid4().hex[:8])
         cold.append(stream_chat(url, [{"role": "system", "content": system},
                                       {"role": "user", "content": f"Turn 0 of round {round_index}: hello."}], plan.max_tokens))
-        # Each worker keeps its own prefixes, so a repeat can land cold on another worker: send a
-        # few repeats per worker and take the median.
+        # A few repeats per worker: each finds the prefix whichever worker stored it (the store is the host's).
         for turn in range(1, 2 * workers + 2):
             repeated.append(stream_chat(url, [{"role": "system", "content": system},
                                               {"role": "user", "content": f"Turn {turn}: what next?"}], plan.max_tokens))
@@ -502,7 +501,8 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
                 workers_facts = list(ready_facts(server).values())
                 converted = converted_weights_path(server.log_path.read_text(errors="replace"))  # the file the workers map
                 served = served_weight_bytes(plan.model_dir, dtype, converted)
-                kv_bytes = sum(facts.get("prefix_cache_bytes", 0) for facts in workers_facts)
+                # The prefix store is the host's: every worker reports the whole folder's bytes.
+                kv_bytes = max((facts.get("prefix_cache_bytes", 0) for facts in workers_facts), default=0)
                 results["scenario_5_memory"] = {**memory, "weight_bytes": served, "prefix_cache_bytes": kv_bytes,
                                                 "pss_to_weights_and_kv": memory["pss"] / (served + kv_bytes)}
                 results["prompt_tokens"] = prompt_tokens_of(server.url)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
-from support import TINY_MODEL_DIR, GunicornServer, ready_facts  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
+from support import TINY_MODEL_DIR, GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
 
 from service.devmodel import build_dev_model  # noqa: E402
 
@@ -104,20 +104,23 @@ def hang_up_mid_stream(port: int, body: dict, timeout: float) -> int:
     return int(received[9:12]) if received.startswith(b"HTTP/1.1 ") else 0
 
 
-def worker_rss_mb(server: GunicornServer) -> dict[int, float]:
-    """Return each worker's resident set size in MiB."""
+def worker_status_mb(server: GunicornServer, field: str) -> dict[int, float]:
+    """Return one /proc/<pid>/status size of each worker (VmRSS, RssShmem, ...) in MiB."""
     sizes = {}
     for pid in server.worker_pids():
         status = Path(f"/proc/{pid}/status").read_text()
-        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith(f"{field}:"))
         sizes[pid] = kib / 1024
     return sizes
 
 
 def worker_memory_mb(server: GunicornServer) -> dict[int, dict[str, float]]:
-    """Return each worker's RSS, its prefix store's bytes, and RSS less the store, in MiB."""
-    rss = worker_rss_mb(server)
-    store = {pid: facts.get("prefix_cache_bytes", 0) / 2**20 for pid, facts in ready_facts(server).items()}
+    """Return each worker's RSS, the prefix store's pages it maps, and RSS less those, in MiB.
+
+    The prefix store is files on tmpfs that the workers map (service/engine/prefixes.py): its pages
+    are a worker's RssShmem, filled by design up to PREFIX_CACHE_MB for the whole host.
+    """
+    rss, store = worker_status_mb(server, "VmRSS"), worker_status_mb(server, "RssShmem")
     return {pid: {"rss": size, "prefix_store": store.get(pid, 0.0), "rest": size - store.get(pid, 0.0)}
             for pid, size in rss.items()}
 
