@@ -4,8 +4,9 @@ The mix: streams, whole replies, identical greedy requests (cache hits once a ca
 that hang up mid-stream, invalid requests, and long prompts that are all distinct (up to
 --long-prompt-tokens, so neither the response cache nor the prefix store can share them). It passes
 with zero 5xx, zero hung requests, worker memory flat over the second half, and nothing running or
-queued at the end. Memory is judged as RSS less what the prefix store holds: the store fills up to
-PREFIX_CACHE_MB by design, and what must not grow is everything else.
+queued at the end. Memory is judged as a worker's anonymous memory, its RSS less the files it maps
+(the weights, and the prefix store, which fills up to PREFIX_CACHE_MB by design): what must not grow
+is everything else.
 
     python bench/soak.py            # 800 requests on the tiny test model
     python bench/soak.py --quick    # 60 requests, prompts up to 2,000 tokens, as the test suite runs it
@@ -115,13 +116,14 @@ def worker_status_mb(server: GunicornServer, field: str) -> dict[int, float]:
 
 
 def worker_memory_mb(server: GunicornServer) -> dict[int, dict[str, float]]:
-    """Return each worker's RSS, the prefix store's pages it maps, and RSS less those, in MiB.
+    """Return each worker's RSS, the mapped files in it, and the rest (its anonymous memory), in MiB.
 
-    The prefix store is files on tmpfs that the workers map (service/engine/prefixes.py): its pages
-    are a worker's RssShmem, filled by design up to PREFIX_CACHE_MB for the whole host.
+    Mapped files are the weights and the prefix store, whose files (on tmpfs in production, in the
+    test's folder here) the workers map: they fill up to PREFIX_CACHE_MB for the whole host by
+    design, and the kernel can take their pages back. What a leak grows is the anonymous rest.
     """
-    rss, store = worker_status_mb(server, "VmRSS"), worker_status_mb(server, "RssShmem")
-    return {pid: {"rss": size, "prefix_store": store.get(pid, 0.0), "rest": size - store.get(pid, 0.0)}
+    rss, anonymous = worker_status_mb(server, "VmRSS"), worker_status_mb(server, "RssAnon")
+    return {pid: {"rss": size, "prefix_store": size - anonymous.get(pid, size), "rest": anonymous.get(pid, size)}
             for pid, size in rss.items()}
 
 
@@ -230,10 +232,10 @@ def render_table(report: dict) -> str:
         ("seconds / slowest request", f"{report['seconds']} / {report['slowest_seconds']}"),
         ("model (longest prompt, tokens)", f"{Path(report['model']).name} ({report['long_prompt_tokens']})"),
         ("worker RSS after warm-up, MiB", ", ".join(map(str, report["rss_after_warmup_mb"].values()))),
-        ("worker RSS at end (prefix store), MiB", ", ".join(
+        ("worker RSS at end (mapped files), MiB", ", ".join(
             f"{rss} ({store})" for rss, store in zip(report["rss_at_end_mb"].values(), report["prefix_store_at_end_mb"].values()))),
         ("RSS per quarter, MiB", " → ".join("/".join(map(str, sample.values())) for sample in report["rss_series_mb"])),
-        ("RSS less prefix store per quarter, MiB", " → ".join(
+        ("RSS less mapped files per quarter, MiB", " → ".join(
             "/".join(map(str, sample.values())) for sample in report["rss_less_prefix_store_series_mb"])),
         ("its growth over the second half, MiB (limit)",
          f"{', '.join(map(str, report['rss_less_prefix_store_growth_mb'].values()))} ({report['rss_growth_limit_mb']})"),
