@@ -18,7 +18,6 @@ from .engine import (
     Generation,
     GrammarRefused,
     SamplingParams,
-    Started,
     TemplateRefused,
     TextDelta,
     TokenLogprob,
@@ -32,7 +31,7 @@ from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice
 from .schemas import CalledFunction, ChatCompletionRequest, SamplingFields
-from .serving import check_choices, choice_params, interrupted, split_choice, submit, usage_of
+from .serving import check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -341,28 +340,13 @@ class ChatCompletions:
         count = len(prepared.choice_params)
         pieces: list[list[str]] = [[] for _ in range(count)]
         logprobs: list[list[dict]] = [[] for _ in range(count)]
-        ended: list[Finished | None] = [None] * count
-        try:
-            for event in source.events():
-                index, inner = split_choice(event)
-                if isinstance(inner, TextDelta):
-                    pieces[index].append(inner.text)
-                    logprobs[index] += map(render_logprob, inner.logprobs)
-                elif isinstance(event, ChoiceEvent):
-                    if isinstance(inner, Finished):
-                        ended[index] = inner
-                elif isinstance(event, Failed):
-                    raise InternalError(event.message)
-                elif isinstance(event, Finished):
-                    finished = event
-                elif not isinstance(event, Started):
-                    log.warning("unexpected engine event %r", event)
-        finally:
-            source.cancel()
-        if finished.finish_reason == "cancelled":
-            raise interrupted()
-        if count == 1:
-            ended[0] = finished
+
+        def take(index: int, delta) -> None:
+            if isinstance(delta, TextDelta):
+                pieces[index].append(delta.text)
+                logprobs[index] += map(render_logprob, delta.logprobs)
+
+        ended, finished = read_whole_reply(source, count, take)
         return ChatCompletion(
             id=prepared.completion_id,
             object="chat.completion",

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from .chat import ChatCompletions
 from .completion_schemas import CompletionRequest
 from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs, SamplingParams,
-                     Started, TextDelta, TokenLogprob)
+                     TextDelta, TokenLogprob)
 from .errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import Completion, CompletionChoice, CompletionLogprobs
-from .serving import check_choices, choice_params, interrupted, split_choice, submit, usage_of
+from .serving import check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 
 log = logging.getLogger(__name__)
@@ -205,31 +205,16 @@ class TextCompletions:
         count = len(prepared.choice_params)
         pieces = [[prepared.prompt_text] if prepared.request.echo else [] for _ in range(count)]
         gathered = [LegacyLogprobs() for _ in range(count)]
-        ended: list[Finished | None] = [None] * count
-        try:
-            for event in source.events():
-                index, inner = split_choice(event)
-                if isinstance(inner, TextDelta):
-                    pieces[index].append(inner.text)
-                    for entry in inner.logprobs:
-                        gathered[index].add(entry)
-                elif isinstance(inner, PromptLogprobs):
-                    add_prompt_logprobs(gathered[index], inner)
-                elif isinstance(event, ChoiceEvent):
-                    if isinstance(inner, Finished):
-                        ended[index] = inner
-                elif isinstance(event, Failed):
-                    raise InternalError(event.message)
-                elif isinstance(event, Finished):
-                    finished = event
-                elif not isinstance(event, Started):
-                    log.warning("unexpected engine event %r", event)
-        finally:
-            source.cancel()
-        if finished.finish_reason == "cancelled":
-            raise interrupted()
-        if count == 1:
-            ended[0] = finished
+
+        def take(index: int, delta) -> None:
+            if isinstance(delta, TextDelta):
+                pieces[index].append(delta.text)
+                for entry in delta.logprobs:
+                    gathered[index].add(entry)
+            else:
+                add_prompt_logprobs(gathered[index], delta)
+
+        ended, finished = read_whole_reply(source, count, take)
         choices = [
             CompletionChoice(index=index, text="".join(pieces[index]), finish_reason=ended[index].finish_reason,
                              logprobs=CompletionLogprobs(**gathered[index].take()) if prepared.params.logprobs else None)

@@ -2,19 +2,28 @@
 choices, each choice's seed, the bounds on choices, and the usage and interruption a reply reports."""
 
 import dataclasses
+import logging
+from collections.abc import Callable
 
 from .engine import (
     ChoiceEvent,
     ChoiceGroup,
     EngineOverloaded,
     EngineUnavailable,
+    EventSource,
+    Failed,
     Finished,
     Generation,
+    PromptLogprobs,
     SamplingParams,
+    Started,
+    TextDelta,
     choice_seed,
 )
-from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InvalidRequest, Overloaded
+from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
 from .protocol import PromptTokensDetails, Usage
+
+log = logging.getLogger(__name__)
 
 
 def interrupted() -> Overloaded:
@@ -41,6 +50,37 @@ def usage_of(finished: Finished) -> Usage:
 def split_choice(event):
     """Return the choice index an event belongs to and the event itself (0 for the one choice of n = 1)."""
     return (event.index, event.event) if isinstance(event, ChoiceEvent) else (0, event)
+
+
+def read_whole_reply(source: EventSource, count: int, take: Callable[[int, object], None]) -> tuple[list[Finished], Finished]:
+    """Read a reply's events to its end, handing each choice's text and prompt log-probabilities to
+    `take(index, event)`; return every choice's final event and the reply's own.
+
+    The source is cancelled in `finally`, so a client that goes away frees its engine slot; a
+    failure is a 500, an interrupted reply a 503 with Retry-After.
+    """
+    ended: list[Finished | None] = [None] * count
+    finished = None
+    try:
+        for event in source.events():
+            index, inner = split_choice(event)
+            if isinstance(event, ChoiceEvent) and isinstance(inner, Finished):
+                ended[index] = inner
+            elif isinstance(event, Failed):
+                raise InternalError(event.message)
+            elif isinstance(event, Finished):
+                finished = event
+            elif isinstance(inner, TextDelta | PromptLogprobs):
+                take(index, inner)
+            elif not isinstance(inner, Started):
+                log.warning("unexpected engine event %r", event)
+    finally:
+        source.cancel()
+    if finished is None or finished.finish_reason == "cancelled":
+        raise interrupted()
+    if count == 1:
+        ended[0] = finished
+    return ended, finished
 
 
 def choice_params(params: SamplingParams, count: int) -> tuple[SamplingParams, ...]:

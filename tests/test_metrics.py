@@ -107,6 +107,9 @@ def server(tiny_model_dir, tmp_path_factory, metrics_dir):
         max_tokens_limit=15_000,
         max_running=1,
         sse_ping_seconds=0.2,
+        # The tests leave streams unread while they scrape; on a loaded machine that outlasts the
+        # default send deadline, which would cut them (tests/test_worker.py tests that deadline).
+        send_timeout_seconds=600,
         prometheus_multiproc_dir=metrics_dir,
     ) as server:
         yield server
