@@ -136,7 +136,10 @@ def test_client_that_closes_a_non_streamed_request_frees_its_engine_slot(default
 # Above the 2 x (MAX_RUNNING + MAX_QUEUE) = 48 places of the default server.
 NEVER_READING = 60
 # A stream long enough to fill any socket buffer long before it ends.
-LONG_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "stream": True, "temperature": 0}
+# Twenty alternatives per token make a reply of many megabytes: more than the kernel buffers on
+# loopback (a send buffer autotunes up to 4 MiB), so every such stream blocks and meets the deadline.
+LONG_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "stream": True, "temperature": 0,
+               "logprobs": True, "top_logprobs": 20}
 
 
 def never_reading_stream(port: int) -> socket.socket:
