@@ -31,7 +31,7 @@ from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import AssistantMessage, ChatCompletion, Choice
 from .schemas import CalledFunction, ChatCompletionRequest, SamplingFields
-from .serving import check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
+from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -39,22 +39,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PreparedChat:
-    """A request checked against the model: its prompt's token ids and how to sample."""
+class PreparedChat(PreparedReply):
+    """A chat request checked against the model: its prompt's token ids and how to sample."""
 
     request: ChatCompletionRequest
-    prompt_ids: list[int]
-    # Every choice's parameters (n of them): the first choice's are `params`.
-    choice_params: tuple[SamplingParams, ...]
-    completion_id: str
-    created: int
-    # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
-    model_name: str
-
-    @property
-    def params(self) -> SamplingParams:
-        """Return how the first choice samples, which is what the cache keys a reply by."""
-        return self.choice_params[0]
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""

@@ -10,36 +10,25 @@ from dataclasses import dataclass
 
 from .chat import ChatCompletions
 from .completion_schemas import CompletionRequest
-from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs, SamplingParams,
+from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs,
                      TextDelta, TokenLogprob)
 from .errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .protocol import Completion, CompletionChoice, CompletionLogprobs
-from .serving import check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
+from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PreparedCompletion:
+class PreparedCompletion(PreparedReply):
     """A legacy completion checked against the model: its prompt's token ids and text, and how to sample."""
 
     request: CompletionRequest
-    prompt_ids: list[int]
     # What `echo` begins the text with: the prompt as sent, or its token ids' text.
     prompt_text: str
-    # Every choice's parameters (n of them): the first choice's are `params`.
-    choice_params: tuple[SamplingParams, ...]
-    completion_id: str
-    created: int
-    model_name: str
-
-    @property
-    def params(self) -> SamplingParams:
-        """Return how the first choice samples, which is what the cache keys a reply by."""
-        return self.choice_params[0]
 
 
 class LegacyLogprobs:

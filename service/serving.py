@@ -26,6 +26,24 @@ from .protocol import PromptTokensDetails, Usage
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedReply:
+    """What chat and legacy completions both hold of a request checked against the model."""
+
+    prompt_ids: list[int]
+    # Every choice's parameters (n of them): the first choice's are `params`.
+    choice_params: tuple[SamplingParams, ...]
+    completion_id: str
+    created: int
+    # The name the reply carries: the one the request sent, as vLLM and OpenAI echo it.
+    model_name: str
+
+    @property
+    def params(self) -> SamplingParams:
+        """Return how the first choice samples, which is what the cache keys a reply by."""
+        return self.choice_params[0]
+
+
 def interrupted() -> Overloaded:
     """Build the error for a reply the server stopped before its end (a stopping worker): OpenAI has
     no `cancelled` finish reason, and a retry gets the whole reply."""
