@@ -138,9 +138,9 @@ def check_ready():
     """
     core = current_app.extensions["corechat"]
     engine = core.engine
-    facts = engine.snapshot_facts()
+    facts = engine.snapshot_facts().known()
     body = {
-        "status": "ready" if engine.ready else facts.get("state", "loading"),
+        "status": "ready" if engine.ready else facts["state"],
         "model": core.chat.model_name,
         "worker_pid": os.getpid(),
         **{key: value for key, value in facts.items() if key not in ("state", *PRIVATE_FACTS)},

@@ -142,14 +142,14 @@ def count_singleflight_follower() -> None:
 
 def report_ready(engine, settings) -> None:
     """Publish this worker's readiness and what its engine measured while loading."""
-    facts = engine.facts
-    model_load_seconds.set(facts.get("load_seconds", 0.0))
-    warmup_seconds.set(facts.get("warmup_seconds", 0.0))
+    facts = engine.snapshot_facts()
+    model_load_seconds.set(facts.load_seconds or 0.0)
+    warmup_seconds.set(facts.warmup_seconds or 0.0)
     model_info.labels(
         model=settings.served_model_name,
-        dtype=str(facts.get("dtype", settings.dtype)),
-        quantization=str(facts.get("quantization", "none")),
-        threads_per_worker=str(facts.get("torch_threads", settings.threads_per_worker)),
+        dtype=str(facts.dtype or settings.dtype),
+        quantization=str(facts.quantization or "none"),
+        threads_per_worker=str(facts.torch_threads or settings.threads_per_worker),
         workers=str(settings.worker_count),
     ).set(1)
     workers_ready.set(1)

@@ -183,7 +183,7 @@ def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_s
         cold_logits = list(recorded_logits.values())
         recorded_logits.clear()
         assert generate(engine, [ids], params) == cold
-        assert engine.facts.get("prefix_cache_hits", 0) == 1
+        assert engine.facts.prefix_cache_hits == 1
         hit_logits = list(recorded_logits.values())
         assert all(torch.equal(a, b) for a, b in zip(hit_logits[0], cold_logits[0], strict=True))
     finally:

@@ -322,7 +322,7 @@ def test_a_holder_whose_lease_lapsed_can_neither_write_renew_nor_release_after_a
 def test_identical_requests_in_one_worker_cost_one_generation(make_settings, engine, backend):
     app = build_app(make_settings, engine, backend)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
-    finished_before = engine.facts["requests_finished"]
+    finished_before = engine.facts.requests_finished
     replies = [None] * 4
 
     def ask(index):
@@ -336,7 +336,7 @@ def test_identical_requests_in_one_worker_cost_one_generation(make_settings, eng
         thread.join(120)
     assert sorted(status for status, _ in replies) == ["hit", "hit", "hit", "miss"]
     assert all(chunks == replies[0][1] for _, chunks in replies)
-    assert engine.facts["requests_finished"] - finished_before == 1
+    assert engine.facts.requests_finished - finished_before == 1
 
 
 def test_generation_goes_on_for_a_follower_in_the_worker_when_the_first_client_leaves(make_settings, engine, backend):
@@ -348,13 +348,13 @@ def test_generation_goes_on_for_a_follower_in_the_worker_when_the_first_client_l
     received = ""
     while not content_chunks(received):
         received += next(leader_chunks).decode()
-    finished_before = engine.facts["requests_finished"]
+    finished_before = engine.facts.requests_finished
     follower = post(app, body)
     leader.close()
     assert follower.headers["X-Cache"] == "hit"
     chunks = content_chunks(read_stream(follower))
     assert chunks[: len(content_chunks(received))] == content_chunks(received)
-    assert engine.facts["requests_finished"] - finished_before == 1  # the one generation, not a second
+    assert engine.facts.requests_finished - finished_before == 1  # the one generation, not a second
     replayed = post(app, body)
     assert replayed.headers["X-Cache"] == "hit"
     assert content_chunks(read_stream(replayed)) == chunks

@@ -151,7 +151,7 @@ def test_model_weights_are_mapped_from_the_file(engine):
     """
     assert engine.settings.dtype == "int8"
     checkpoint = file_mappings(engine.model_dir / "model.safetensors")
-    converted = file_mappings(engine.facts["converted_weights"])
+    converted = file_mappings(engine.facts.converted_weights)
     assert checkpoint and converted
     parameters = dict(engine.model.named_parameters())
     buffers = dict(engine.model.named_buffers())
@@ -162,7 +162,7 @@ def test_model_weights_are_mapped_from_the_file(engine):
     assert [name for name, tensor in quantized.items() if not lies_in(tensor, converted)] == []
     private = [tensor for name, tensor in buffers.items() if name not in quantized]
     assert nbytes(private) < 0.01 * nbytes([*parameters.values(), *quantized.values()])
-    assert engine.facts["load_seconds"] >= 0
+    assert engine.facts.load_seconds >= 0
     assert len(engine.fingerprint) == 16
 
 
@@ -192,7 +192,7 @@ def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
         assert exact.wait_ready(60)
         assert exact.fingerprint != engine.fingerprint
         # int8 Linear weights are buffers, not parameters: the count must still be the model's.
-        assert engine.facts["parameters"] == exact.facts["parameters"] > 0
+        assert engine.facts.parameters == exact.facts.parameters > 0
     finally:
         exact.stop()
 
@@ -269,22 +269,21 @@ def ends_before(generation, deadline: float) -> bool:
 
 
 def test_readyz_answers_while_the_engine_thread_adds_facts(make_settings):
-    """/readyz copies the facts the engine thread keeps adding to; iterating them live raised a 500.
+    """/readyz renders a snapshot of the facts the engine thread keeps changing, never a 500.
 
-    A thread stands in for the engine thread here, adding and removing keys much faster than the
-    engine does (it adds a key the first time it sees something, such as a prefix-cache hit).
+    A thread stands in for the engine thread here, setting and clearing facts much faster than the
+    engine does (a fact appears the first time it is known, such as a prefix-cache hit).
     """
     engine = Engine(make_settings())
     client = create_app(make_settings(), engine=engine).test_client()
     churning = threading.Event()
 
     def churn_facts():
-        """Add and remove keys until told to stop."""
+        """Set and clear facts until told to stop."""
         while not churning.is_set():
-            for key in range(200):
-                engine.facts[f"fact_{key}"] = key
-            for key in range(200):
-                engine.facts.pop(f"fact_{key}", None)
+            for count in range(200):
+                engine.facts.update(prefix_cache_hits=count, largest_batch=count)
+            engine.facts.update(prefix_cache_hits=None, largest_batch=None)
 
     churner = threading.Thread(target=churn_facts)
     interval = sys.getswitchinterval()

@@ -50,7 +50,7 @@ def test_the_budget_arithmetic_matches_the_cache_the_engine_builds(engine):
     found, length = engine._scheduler.prefixes.lookup([*prompt, 0])
     assert length == len(prompt)
     stored = cache_layers(found)
-    assert sum(keys.nbytes + values.nbytes for keys, values in stored) == len(prompt) * engine.facts["kv_bytes_per_token"]
+    assert sum(keys.nbytes + values.nbytes for keys, values in stored) == len(prompt) * engine.facts.kv_bytes_per_token
 
 
 # The tiny model keeps 256 bytes per token: 1 MiB holds 4,096 tokens, so two requests of a

@@ -93,7 +93,7 @@ def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_e
     for thread in threads:
         thread.join(120)
     assert together == alone
-    assert fast_engine.facts["largest_batch"] >= 2
+    assert fast_engine.facts.largest_batch >= 2
 
 
 def test_prompt_processed_in_chunks_generates_what_one_pass_generates(plain_engine, make_settings):
@@ -199,7 +199,7 @@ def test_quantized_weights_are_converted_once_into_a_versioned_shared_file_and_g
     from service.engine.quantized import FORMAT_VERSION, QuantizedLinear
 
     first = started_engine(make_settings, dtype=dtype, converted_weights_dir=str(tmp_path))
-    converted = first.facts["converted_weights"]
+    converted = first.facts.converted_weights
     assert os.path.basename(converted).startswith(f"corechat-{dtype}-v{FORMAT_VERSION}-")
     written_at = os.stat(converted).st_mtime_ns
     first.stop()
@@ -207,7 +207,7 @@ def test_quantized_weights_are_converted_once_into_a_versioned_shared_file_and_g
     engine.start()
     assert engine.wait_ready(120), engine.facts
     try:
-        assert engine.facts["converted_weights"] == converted
+        assert engine.facts.converted_weights == converted
         assert os.stat(converted).st_mtime_ns == written_at
         assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.model.lm_head.format.name == dtype
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
@@ -224,7 +224,7 @@ def test_a_converted_file_of_another_format_version_is_never_read(make_settings,
     shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-*"))
     engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
     try:
-        fingerprint = os.path.basename(engine.facts["converted_weights"]).removesuffix(".safetensors").rsplit("-", 1)[1]
+        fingerprint = os.path.basename(engine.facts.converted_weights).removesuffix(".safetensors").rsplit("-", 1)[1]
     finally:
         engine.stop()
     for stale in model_dir.glob("corechat-*"):
@@ -232,7 +232,7 @@ def test_a_converted_file_of_another_format_version_is_never_read(make_settings,
     (model_dir / f"corechat-int8-{fingerprint}.safetensors").write_bytes(b"not a safetensors file")
     engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
     try:
-        assert "-v" in os.path.basename(engine.facts["converted_weights"])
+        assert "-v" in os.path.basename(engine.facts.converted_weights)
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
         assert finished.finish_reason == "length"
     finally:
@@ -253,7 +253,7 @@ def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_
         thread.join(60)
     try:
         assert all(engine.wait_ready(120) for engine in engines)
-        converted = {engine.facts["converted_weights"] for engine in engines}
+        converted = {engine.facts.converted_weights for engine in engines}
         assert len(converted) == 1
         with open("/proc/self/maps") as maps:
             mappings = [line.split() for line in maps if str(model_dir) in line and "corechat-int8" in line]

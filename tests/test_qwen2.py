@@ -20,7 +20,7 @@ def test_lean_forward_gives_transformers_bits_for_prompts_and_decode_steps(make_
     assert engine.wait_ready(300), engine.facts
     model = engine.model
     try:
-        assert engine.facts["forward"] == "lean"
+        assert engine.facts.forward == "lean"
         lean = model.__dict__["forward"]
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(100, 5000, (length,), generator=generator).tolist() for length in (70, 9, 33)]
@@ -57,6 +57,6 @@ def test_float32_keeps_transformers_forward(make_settings):
     engine.start()
     try:
         assert engine.wait_ready(300), engine.facts
-        assert engine.facts["forward"] == "transformers" and "forward" not in engine.model.__dict__
+        assert engine.facts.forward == "transformers" and "forward" not in engine.model.__dict__
     finally:
         engine.stop()

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from .events import ChoiceGroup, Failed, Generation
+from .facts import EngineFacts, EngineState
 from .grammar import Grammars
 from .loading import (
     inherited_tokenizer,
@@ -65,7 +66,7 @@ class Engine:
         self.context_length = 0
         # Cache tokens (padding included) this worker's running sequences may reach together.
         self.kv_token_budget = 0
-        self.facts: dict[str, object] = {"state": "created", "requests_finished": 0}
+        self.facts = EngineFacts()
         self._eos_ids: set[int] = set()
         self._speller: TokenSpeller | None = None
         # Bounded by submit(): running plus queued stay within MAX_RUNNING + MAX_QUEUE, so a burst
@@ -97,7 +98,7 @@ class Engine:
         self.model_dir = resolve_model_dir(self.settings.model)
         inherited = inherited_tokenizer(self.model_dir)
         self.tokenizer = inherited if inherited is not None else load_tokenizer(self.model_dir)
-        self.facts["tokenizer_inherited"] = inherited is not None
+        self.facts.tokenizer_inherited = inherited is not None
         self.template = ChatTemplate(self.tokenizer, trust_control_tokens=self.settings.trust_control_tokens_in_messages)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self._eos_ids = self._find_eos_ids()
@@ -106,8 +107,8 @@ class Engine:
         self._speller = TokenSpeller(self.tokenizer)
         bytes_per_token = kv_bytes_per_token(config, DTYPES[self.settings.dtype])
         self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
-        self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget)
-        self.facts["state"] = "loading"
+        self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget,
+                          state=EngineState.LOADING)
         self._thread = threading.Thread(target=self._run, name="corechat-engine", daemon=True)
         self._thread.start()
 
@@ -133,7 +134,7 @@ class Engine:
     @property
     def failed(self) -> bool:
         """Tell whether loading failed for good."""
-        return self.facts["state"] == "failed"
+        return self.facts.state is EngineState.FAILED
 
     @property
     def waiting(self) -> int:
@@ -160,7 +161,7 @@ class Engine:
         # Building the tokenizer parsed an 18 MB JSON into objects that are dropped again: about
         # 70 MB per worker that glibc would otherwise keep.
         return_freed_memory()
-        self.facts.update(state="ready", requests_finished=0)
+        self.facts.update(state=EngineState.READY, requests_finished=0)
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready()
@@ -182,10 +183,11 @@ class Engine:
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
         prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
                                  Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take)
-        weight_format = prepared.pop("weight_format")
-        self.facts.update(prepared)
-        if "converted_weights" in prepared:
-            log.info("%s weights mapped from %s", self.settings.dtype, prepared["converted_weights"])
+        weight_format = prepared.weight_format
+        self.facts.update(kernel_paths=prepared.kernel_paths, quantization=prepared.quantization,
+                          converted_weights=prepared.converted_weights, forward=prepared.forward)
+        if prepared.converted_weights is not None:
+            log.info("%s weights mapped from %s", self.settings.dtype, prepared.converted_weights)
         self.fingerprint = hashlib.sha256(
             f"{files_fingerprint}:{weight_format}:sampler-{SAMPLER_VERSION}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
@@ -205,7 +207,7 @@ class Engine:
             eos_ids=self._eos_ids, speller=self._speller, kv_token_budget=self.kv_token_budget, facts=self.facts,
             cores=self.cores,
         )
-        log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts["load_seconds"], dtype)
+        log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts.load_seconds, dtype)
 
     def _warm_up(self) -> None:
         """Run one real short generation so the first request does not pay for lazy initialisation."""
@@ -213,8 +215,8 @@ class Engine:
         prompt_ids = self.template.encode_chat(WARMUP_MESSAGES)
         generation = Generation(prompt_ids, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0))
         self._scheduler.run_to_end([generation])
-        self.facts["warmup_seconds"] = round(time.monotonic() - began, 3)
-        log.info("warm-up generation took %.2f s", self.facts["warmup_seconds"])
+        self.facts.warmup_seconds = round(time.monotonic() - began, 3)
+        log.info("warm-up generation took %.2f s", self.facts.warmup_seconds)
 
     def _close(self, reason: str) -> None:
         """Refuse requests from now on, then tell every queued one that the engine cannot serve it."""
@@ -231,7 +233,7 @@ class Engine:
     def _fail(self, reason: str, *, while_loading: bool) -> None:
         """Stop serving for good: not ready, every queued request failed, the worker told."""
         self._ready.clear()
-        self.facts.update(state="failed", error=reason)
+        self.facts.update(state=EngineState.FAILED, error=reason)
         self._close(reason)
         if self._on_failure is not None:
             self._on_failure(reason, while_loading)
@@ -244,10 +246,9 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def snapshot_facts(self) -> dict[str, object]:
-        """Return a copy of the facts, safe to iterate while the engine thread adds to them."""
-        # dict.copy runs in C under the GIL, so no key is added halfway through it.
-        return self.facts.copy()
+    def snapshot_facts(self) -> EngineFacts:
+        """Return a consistent copy of the facts, safe to read while the engine thread writes them."""
+        return self.facts.snapshot()
 
     # Requests ------------------------------------------------------------------------------
 

@@ -1,15 +1,27 @@
 """Ready a loaded model for its DTYPE: quantized weights, corechat's kernels, the lean forward."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS, apply_quantized
 
 
+@dataclass(frozen=True)
+class PreparedModel:
+    """What preparing a model decided: the format that fixes the replies' bits and the facts to report."""
+
+    weight_format: str
+    forward: str
+    kernel_paths: str | None = None
+    quantization: str | None = None
+    converted_weights: str | None = None
+
+
 def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str,
-                  between_layers: Callable[[], object] | None = None) -> dict:
-    """Ready a loaded model for its DTYPE; return the facts to report, `weight_format` among them.
+                  between_layers: Callable[[], object] | None = None) -> PreparedModel:
+    """Ready a loaded model for its DTYPE; return what was decided, `weight_format` among it.
 
     int8 and int4 swap in QuantizedLinear layers; they and bfloat16 attend with corechat's kernel
     and, for Qwen2-family models, run the lean forward (qwen2.py), so the kernels are loaded for
@@ -19,18 +31,19 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
     """
     if dtype == "float32":
         call_between_layers(model, between_layers)
-        return {"weight_format": dtype, "forward": "transformers"}
+        return PreparedModel(weight_format=dtype, forward="transformers")
     kernels.load(kernels_dir)
-    facts = {"weight_format": f"{dtype}:v{FORMAT_VERSION}", "kernel_paths": ",".join(kernels.available_paths())}
+    kernel_paths = ",".join(kernels.available_paths())
+    quantization = converted_weights = None
     fmt = FORMATS.get(dtype)
     if fmt is not None:
-        converted = apply_quantized(model, fmt, model_dir, converted_dir, fingerprint)
-        facts.update(quantization=f"{fmt.description}, {ACTIVATIONS}", converted_weights=str(converted))
+        converted_weights = str(apply_quantized(model, fmt, model_dir, converted_dir, fingerprint))
+        quantization = f"{fmt.description}, {ACTIVATIONS}"
     lean = qwen2.install(model, between_layers)
     if not lean:
         call_between_layers(model, between_layers)
-    facts["forward"] = "lean" if lean else "transformers"
-    return facts
+    return PreparedModel(weight_format=f"{dtype}:v{FORMAT_VERSION}", forward="lean" if lean else "transformers",
+                         kernel_paths=kernel_paths, quantization=quantization, converted_weights=converted_weights)
 
 
 def call_between_layers(model, between_layers: Callable[[], object] | None) -> None:

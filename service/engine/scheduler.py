@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from .batching import DecodeBatch
 from .cores import SharedCores
+from .facts import EngineFacts
 from .events import Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
 from .grammar import mask_logits
 from .kvcache import new_cache, reserve
@@ -105,7 +106,7 @@ class Scheduler:
     """
 
     def __init__(self, settings, model, tokenizer, *, pending: queue.Queue, prefixes: PrefixStore, eos_ids: set[int],
-                 speller: TokenSpeller, kv_token_budget: int, facts: dict[str, object], cores: SharedCores):
+                 speller: TokenSpeller, kv_token_budget: int, facts: EngineFacts, cores: SharedCores):
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
@@ -386,9 +387,9 @@ class Scheduler:
             log.debug("prompt chunk: %d tokens in %.3f s on %d threads", len(chunk), elapsed, self.cores.threads)
             if sequence.next_input:
                 return None
-            self.facts["prefix_cache_bytes"] = self.prefixes.bytes
+            self.facts.prefix_cache_bytes = self.prefixes.bytes
             if sequence.cached_prompt_tokens:
-                self.facts["prefix_cache_hits"] = self.facts.get("prefix_cache_hits", 0) + 1
+                self.facts.prefix_cache_hits = (self.facts.prefix_cache_hits or 0) + 1
             for choice in sequence.siblings:
                 choice.prompt_seconds = sequence.prompt_seconds
             if scoring:
@@ -435,7 +436,7 @@ class Scheduler:
         self._leave(active, batch, cancelled)
         if not active:
             return
-        self.facts["largest_batch"] = max(self.facts.get("largest_batch", 0), len(active))
+        self.facts.largest_batch = max(self.facts.largest_batch or 0, len(active))
         began = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -461,7 +462,7 @@ class Scheduler:
         """Record the share of decode time spent outside the model's forward (sampling, text, batch upkeep)."""
         self._decode_seconds += step_seconds
         self._forward_seconds += forward_seconds
-        self.facts["decode_overhead_fraction"] = round(1 - self._forward_seconds / self._decode_seconds, 4)
+        self.facts.decode_overhead_fraction = round(1 - self._forward_seconds / self._decode_seconds, 4)
 
     def _leave(self, active: list[_Sequence], batch: DecodeBatch, rows: list[int]) -> None:
         """Remove ended sequences from the running list and the batch; the replies that ended well
@@ -481,7 +482,7 @@ class Scheduler:
         length = batch.lengths[row]
         try:
             self.prefixes.store([*sequence.generation.input_ids, *sequence.taken_ids][:length], batch.row_layers(row))
-            self.facts["prefix_cache_bytes"] = self.prefixes.bytes
+            self.facts.prefix_cache_bytes = self.prefixes.bytes
         except Exception:
             log.exception("a reply's KV state could not be stored")
 
@@ -530,7 +531,7 @@ class Scheduler:
         if rest:
             sequence.generation.send(TextDelta(rest, tuple(sequence.unsent_ids), tuple(sequence.unsent_logprobs)))
         decode_seconds = time.monotonic() - (sequence.first_token_at or sequence.started_at)
-        self.facts["requests_finished"] += 1
+        self.facts.requests_finished += 1
         finished = Finished(
             finish_reason=finish_reason,
             prompt_tokens=len(sequence.generation.prompt_ids),
