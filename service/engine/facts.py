@@ -48,10 +48,11 @@ class EngineFacts:
 
     def update(self, **changes) -> None:
         """Set several facts at once, as one change a snapshot sees whole or not at all."""
+        unknown = changes.keys() - {item.name for item in dataclasses.fields(self) if item.init}
+        if unknown:
+            raise AttributeError(f"EngineFacts has no fact {', '.join(sorted(unknown))}")
         with self._lock:
             for name, value in changes.items():
-                if not hasattr(self, name) or name.startswith("_"):
-                    raise AttributeError(f"EngineFacts has no fact {name!r}")
                 setattr(self, name, value)
 
     def snapshot(self) -> "EngineFacts":

@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 from .batching import DecodeBatch
 from .cores import SharedCores
-from .facts import EngineFacts
 from .events import Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
+from .facts import EngineFacts
 from .grammar import mask_logits
 from .kvcache import new_cache, reserve
 from .memory import reserved_kv_tokens, return_freed_memory
