@@ -8,7 +8,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel
 
 from .auth import caller_key_hash, may_see_details
-from .cache import no_cache_requested, set_status, settled_status
+from .cache import no_cache_requested, settled_status
 from .completion_schemas import parse_completion_request
 from .disconnect import WatchedSource
 from .errors import InvalidRequest
@@ -16,6 +16,7 @@ from .limits import read_request_body
 from .naming import resolve_model_name
 from .observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
+from .request_record import current_record
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
@@ -56,14 +57,21 @@ class GenerationServing(Protocol):
 def serve_generation(serving: GenerationServing, parsed_request):
     """Prepare a request, look its reply up in the cache (or generate it), and send it streamed or whole."""
     cache = current_app.extensions["corechat_cache"]
+    record = current_record()
     prepared = serving.prepare(parsed_request)
-    reply, cache_status = cache.open(
-        prepared,
-        serving.engine.fingerprint,
-        lambda forced_ids: EngineWork(serving.start(prepared, forced_ids)),
-        scope=cache.scope(caller_key_hash()),
-        opted_out=no_cache_requested(request.headers.get("Cache-Control", "")),
-    )
+    opted_out = no_cache_requested(request.headers.get("Cache-Control", ""))
+    bypass = cache.bypasses(prepared, serving.engine.fingerprint, opted_out=opted_out)
+    try:
+        reply, record.x_cache = cache.open(
+            prepared,
+            serving.engine.fingerprint,
+            lambda forced_ids: EngineWork(serving.start(prepared, forced_ids)),
+            scope=cache.scope(caller_key_hash()),
+            bypass=bypass,
+        )
+    except BaseException:
+        record.x_cache = cache.failed_status(bypass)
+        raise
     source = observe(reply)
     if parsed_request.stream:
         response = Response(serving.stream(prepared, source), mimetype="text/event-stream", headers=SSE_HEADERS)
@@ -72,7 +80,7 @@ def serve_generation(serving: GenerationServing, parsed_request):
             completion = serving.complete(prepared, WatchedSource(source, request.environ))
             response = jsonify(completion.model_dump(exclude_unset=True))
         finally:
-            set_status(settled_status(reply, cache_status))
+            record.x_cache = settled_status(reply, record.x_cache)
     # A stream whose client is gone before its first byte never runs its generator's `finally`.
     response.call_on_close(source.cancel)
     return response

@@ -9,9 +9,10 @@ on them), and nothing but an exact allowlist; flask-cors answers refused preflig
 import hashlib
 import hmac
 
-from flask import current_app, g, make_response, request
+from flask import current_app, make_response, request
 
 from .errors import APIError, Unauthorized
+from .request_record import current_record
 
 # Endpoints anyone may reach: liveness and readiness probes, and the chat page with its files
 # (the page must load without a key so the user can type one in).
@@ -128,7 +129,7 @@ def require_api_key():
     # The key is never echoed back or logged, not even in part.
     if not key_matches(presented.strip(), keys):
         raise Unauthorized("incorrect API key provided", headers=challenge)
-    g.corechat_api_key_hash = hashlib.sha256(presented.strip().encode()).hexdigest()
+    current_record().api_key_hash = hashlib.sha256(presented.strip().encode()).hexdigest()
 
 
 def may_see_details() -> bool:
@@ -140,7 +141,7 @@ def may_see_details() -> bool:
 
 def caller_key_hash() -> str | None:
     """Return a hash of the API key this request was let in with, or None when the API needs no key."""
-    return g.get("corechat_api_key_hash")
+    return current_record().api_key_hash
 
 
 def init_app(app) -> None:

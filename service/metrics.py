@@ -12,7 +12,7 @@ PRELOAD_LIBRARIES.
 import logging
 import time
 
-from flask import Blueprint, Response, current_app, g, request
+from flask import Blueprint, Response, current_app, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -23,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from .request_record import current_record
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ def report_not_ready() -> None:
 
 def mark_arrival() -> None:
     """Remember when the request arrived, the start of its time to first token."""
-    g.corechat_arrived_at = time.monotonic()
+    current_record().arrived_at = time.monotonic()
 
 
 def count_refused_by_worker(code: str) -> None:
@@ -173,7 +175,7 @@ def count_refused_by_worker(code: str) -> None:
 
 def count_refused_request(response):
     """Count a chat request answered with an error before any generation was observed."""
-    if request.endpoint in GENERATION_ENDPOINTS and response.status_code >= 400 and not g.get("corechat_observed"):
+    if request.endpoint in GENERATION_ENDPOINTS and response.status_code >= 400 and not current_record().observed:
         error = (response.get_json(silent=True) or {}).get("error") or {}
         requests_total.labels(error.get("code") or error.get("type") or f"http_{response.status_code}").inc()
     return response

@@ -10,10 +10,9 @@ import logging
 import threading
 import time
 
-from flask import g
-
 from . import metrics
 from .engine import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, Started, TextDelta
+from .request_record import current_record
 
 log = logging.getLogger(__name__)
 
@@ -176,5 +175,6 @@ class ObservedGeneration(EventSource):
 
 def observe(source: EventSource) -> ObservedGeneration:
     """Wrap a generation (or any event source) so its events feed the request metrics."""
-    g.corechat_observed = True
-    return ObservedGeneration(source, arrived_at=g.get("corechat_arrived_at", time.monotonic()))
+    record = current_record()
+    record.observed = True
+    return ObservedGeneration(source, arrived_at=record.arrived_at)

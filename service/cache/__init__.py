@@ -12,10 +12,11 @@ import math
 import threading
 import time
 
-from flask import g, request
+from flask import request
 
 from .. import metrics
 from ..engine import EventSource
+from ..request_record import current_record
 from .entries import CachedReply, cache_key, is_reproducible
 from .flights import Flight, FlightReader
 from .runs import Run
@@ -97,17 +98,22 @@ class ResponseCache:
             return ""
         return f"key:{api_key_hash}"
 
+    def bypasses(self, prepared, fingerprint: str, *, opted_out: bool = False) -> bool:
+        """Tell whether a request's reply is generated without the cache, neither read from it nor stored."""
+        # A stored reply keeps its text, not its logprobs: requests for them always generate. A reply is one
+        # choice's: a request for several (n > 1) always generates too.
+        return (opted_out or not fingerprint or not is_reproducible(prepared.params) or bool(prepared.params.logprobs)
+                or len(prepared.choice_params) > 1)
+
     def open(
-        self, prepared, fingerprint: str, start, *, scope: str = "", opted_out: bool = False
+        self, prepared, fingerprint: str, start, *, scope: str = "", bypass: bool = False
     ) -> tuple[EventSource, str]:
         """Return the source of a reply and its X-Cache value (hit, miss or bypass).
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
+        `bypass` is what `bypasses` told; when `open` raises, `failed_status(bypass)` is the error's X-Cache value.
         """
-        # A stored reply keeps its text, not its logprobs: requests for them always generate. A reply is one
-        # choice's: a request for several (n > 1) always generates too.
-        if (opted_out or not fingerprint or not is_reproducible(prepared.params) or prepared.params.logprobs
-                or len(prepared.choice_params) > 1):
+        if bypass:
             return start(()), self._lookup_result("bypass")
         digest = cache_key(fingerprint, scope, prepared.prompt_ids, prepared.params)
         with self._flights_lock:
@@ -124,7 +130,6 @@ class ResponseCache:
             result = Run(self, flight, prepared.params, start).open()
         except BaseException:
             reader.cancel()
-            set_status("miss" if self.breaker.closed() else "bypass")
             raise
         reader.leads = result in ("miss", "error")
         if result == "follow":
@@ -138,13 +143,15 @@ class ResponseCache:
             if self._flights.get(flight.digest) is flight:
                 del self._flights[flight.digest]
 
+    def failed_status(self, bypass: bool) -> str:
+        """Return the X-Cache value of a request whose `open` raised: `miss` if it used the store, else `bypass`."""
+        return "miss" if not bypass and self.breaker.closed() else "bypass"
+
     @staticmethod
     def _lookup_result(result: str) -> str:
-        """Settle a lookup's result (hit, miss, bypass or error): count it, and return and record its X-Cache value."""
+        """Settle a lookup's result (hit, miss, bypass or error): count it and return its X-Cache value."""
         metrics.count_cache_lookup(result)
-        status = "bypass" if result == "error" else result
-        set_status(status)
-        return status
+        return "bypass" if result == "error" else result
 
 
 def settled_status(source: EventSource, status: str) -> str:
@@ -152,15 +159,10 @@ def settled_status(source: EventSource, status: str) -> str:
     return "miss" if status == "hit" and isinstance(source, FlightReader) and source.generated else status
 
 
-def set_status(status: str) -> None:
-    """Record the X-Cache value of this request's reply."""
-    g.corechat_x_cache = status
-
-
 def add_status_header(response):
     """Put X-Cache on every chat or completion response, errors included (`bypass` when the cache was not consulted)."""
     if request.path in CACHED_PATHS:
-        response.headers["X-Cache"] = g.get("corechat_x_cache", "bypass")
+        response.headers["X-Cache"] = current_record().x_cache
     return response
 
 
