@@ -8,6 +8,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from .engine.cores import SLOT_BYTES, SharedCores, busy_cpu_seconds
 from .metrics import report_not_ready, report_ready
 from .settings import physical_core_groups, physical_cores
 
@@ -35,7 +36,9 @@ def import_worker_libraries(model: str) -> None:
     """
     import gc
 
-    from . import api, auth, cache, chat, engine, errors, limits, metrics, observed, openapi, ui  # noqa: F401
+    # The engine package re-exports lazily: its core (torch, transformers) is imported by name.
+    from . import api, auth, cache, chat, errors, limits, metrics, observed, openapi, ui  # noqa: F401
+    from .engine import core  # noqa: F401
     from .engine.loading import preload_tokenizer
     from .engine.memory import return_freed_memory
 
@@ -50,9 +53,6 @@ def import_worker_libraries(model: str) -> None:
 # every worker it forks shares it; far more slots than workers, as a respawned worker takes the
 # lowest free slot.
 CORE_TABLE_SLOTS = 64
-# engine/cores.py's SLOT_BYTES, written out: importing service.engine loads torch, which a master
-# with PRELOAD_LIBRARIES=false never does (tests/test_cores.py holds the two equal).
-CORE_TABLE_SLOT_BYTES = 9
 _core_table: mmap.mmap | None = None
 
 
@@ -60,7 +60,7 @@ def assign_slot(server, worker) -> None:
     """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
     global _core_table
     if _core_table is None:
-        _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS * CORE_TABLE_SLOT_BYTES)
+        _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS * SLOT_BYTES)
     taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}
     worker.slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
@@ -77,8 +77,6 @@ def boot_worker(worker) -> None:
     """Pin the worker if asked, set torch's threads, and start its engine; the worker accepts
     connections once the engine is ready (after fork)."""
     import torch
-
-    from .engine.cores import SharedCores, busy_cpu_seconds
 
     core = worker.wsgi.extensions["corechat"]
     settings = core.settings

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from service.engine.cores import LOAD_WINDOW_SECONDS, SLOT_BYTES, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
-from service.lifecycle import CORE_TABLE_SLOT_BYTES
 from service.settings import physical_cores
 from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 
@@ -186,8 +185,3 @@ def test_a_lone_request_runs_on_every_core_with_the_defaults(tiny_model_dir, tmp
     served = max(pids, key=lambda pid: sum(used[pid]))
     assert used[served][0] > 0
     assert used[served][1] >= 0.25 * used[served][0], used[served][:4]
-
-
-def test_the_masters_table_has_the_slot_size_the_workers_read():
-    """lifecycle.py sizes the table without importing engine/cores.py (which would load torch)."""
-    assert CORE_TABLE_SLOT_BYTES == SLOT_BYTES
