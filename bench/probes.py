@@ -4,7 +4,8 @@
     python -m bench.probes baseline MODEL_DIR --threads 2 --max-tokens 64 --repetitions 5 --prompt TEXT
 
 Each prints one JSON object on stdout. `load_dev_model` loads the dev model for the in-process
-probes (bench/agreement.py, compile_probe.py, attention_probe.py, kernel_probe.py).
+probes (bench/agreement.py, compile_probe.py, kernel_probe.py), `load_dev_runner` the runner a
+worker's engine drives (bench/step_probe.py, attention_probe.py).
 """
 
 import argparse
@@ -25,6 +26,12 @@ def load_dev_model(dtype: str):
 
     dtype is a DTYPE value: int8 and int4 map (converting once) the quantized file a worker maps.
     """
+    model, tokenizer, _ = load_prepared_dev_model(dtype)
+    return model, tokenizer
+
+
+def load_prepared_dev_model(dtype: str):
+    """load_dev_model, and what preparing the model decided (service.engine.prepare.PreparedModel)."""
     from service.devmodel import build_dev_model
     from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
@@ -35,9 +42,20 @@ def load_dev_model(dtype: str):
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, DTYPES[dtype])
     settings = Settings()
-    prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir), Path(settings.kernels_dir),
-                  model_fingerprint(model_dir, tokenizer))
-    return model, tokenizer
+    prepared = prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir),
+                             Path(settings.kernels_dir), model_fingerprint(model_dir, tokenizer))
+    return model, tokenizer, prepared
+
+
+def load_dev_runner(dtype: str, kv_cache_mb: int = 1024):
+    """Load the 0.5B dev model as a worker does; return the runner its engine drives and the tokenizer."""
+    from service.engine.core import DTYPES
+    from service.engine.memory import KVBudget, kv_bytes_per_token
+    from service.engine.runners import PagedModel
+
+    model, tokenizer, prepared = load_prepared_dev_model(dtype)
+    budget = KVBudget.of(kv_cache_mb, kv_bytes_per_token(model.config, DTYPES[dtype]))
+    return PagedModel(prepared.lean, budget), tokenizer
 
 
 def measure_read_bandwidth(megabytes: int, threads: int) -> dict:

@@ -9,10 +9,8 @@ bench/results/<name>.json and .md, with the CPU, date and commit.
 """
 
 import argparse
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,18 +18,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench import save_results  # noqa: E402
 from bench.kernel_probe import LAYER_SHAPES, random_weight  # noqa: E402
 from service.engine import kernels  # noqa: E402
 from service.engine.quantized import INT8, quantize_int8  # noqa: E402
 
 ROWS = [1, 2, 128, 512]
-
-
-def cpu_model() -> str:
-    """Return the CPU's model name."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def measure(path: str, rows: int, weights, rounds: int) -> float:
@@ -62,17 +54,14 @@ def main() -> None:
     multiply_adds = sum(outputs * inputs for outputs, inputs in LAYER_SHAPES)
     figures = {path: {rows: multiply_adds * rows / measure(path, rows, weights, args.rounds) for rows in ROWS}
                for path in paths}
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    machine = {"cpu": cpu_model(), "threads": args.threads,
-               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit}
     table = "\n".join([
         f"# {args.name}", "",
-        f"{machine['cpu']}, {args.threads} thread(s), {machine['date']}, commit {commit}; int8 products of one "
-        "0.5B decoder layer, best of {args.rounds} rounds, G multiply-adds per second.".replace("{args.rounds}", str(args.rounds)),
+        f"{args.threads} thread(s); int8 products of one 0.5B decoder layer, best of {args.rounds} rounds, "
+        "G multiply-adds per second.",
         "", "| path | " + " | ".join(f"{rows} rows" for rows in ROWS) + " |", "|---|" + "---|" * len(ROWS),
         *(f"| {path} | " + " | ".join(f"{figures[path][rows] / 1e9:.1f}" for rows in ROWS) + " |" for path in paths), ""])
-    save_results(args.name, {"machine": machine, "gmacs": {path: {str(rows): value / 1e9 for rows, value in by_rows.items()}
-                                                             for path, by_rows in figures.items()}}, table)
+    save_results(args.name, {"threads": args.threads, "gmacs": {
+        path: {str(rows): value / 1e9 for rows, value in by_rows.items()} for path, by_rows in figures.items()}}, table)
 
 
 if __name__ == "__main__":

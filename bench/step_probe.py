@@ -1,19 +1,20 @@
-"""Where a decode step's time goes: products, attention, the rest of the forward, sampling.
+"""Where a decode step's and a prompt pass's time goes: products, attention, the rest, Python, sampling.
 
-`python bench/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--threads 1]` loads the 0.5B dev
-model as a worker does, fills a batch of `rows` sequences (a ~40-token chat prompt each, the
-engine's DecodeBatch, so left padding and row_starts as served) and times decode steps: the
-median wall time of a step, then one profiled run that splits its operators' time into the
-top-level quantized products (corechat::quantized_linear: a quantized model's output layer, every
-product of a bf16 one as aten::linear), the fused layer operators a quantized model's decoder
-layers run as (corechat::attention_inputs, ::mlp, ::rms_norm, their products inside), attention
-(corechat::attention or SDPA) and the other torch operators (cache appends, embedding, rotary
-tables; in bf16 also norms, rotary, activations); what the step takes beyond its operators is
-Python (the forward's own code, transformers' cache). Sampling is
-timed apart: greedy and top-p over the step's logits, all rows in the engine's one call (the
-median of several). Times are the thread's CPU time
-(the profiler's shares are of wall time), so other processes on the machine move them less. It
-prints a table and writes bench/results/step.json and .md.
+`python bench/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2]`
+loads the 0.5B dev model as a worker does and drives the runner its engine drives
+(service/engine/runners.py: the lean forward over the page pool):
+- decode: `rows` sequences of a ~40-token chat prompt each decode as one batch; the median wall
+  time of a step, then one profiled run that splits its time into the fused layer operators
+  (corechat::attention_inputs, ::mlp, ::rms_norm: norms, products, rotary, activations), the
+  output layer's product (corechat::quantized_linear at top level), attention
+  (corechat::paged_attention), the other torch operators (embedding, rotary tables), and what is
+  left: Python between the operators. Sampling is timed apart (greedy and top-p over the step's
+  logits, all rows in the engine's one call, the median of several).
+- prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way,
+  with the products' multiply-adds per second.
+Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
+its neighbours' cores). It prints a table and writes bench/results/step.json and .md with the CPU,
+date and commit.
 """
 
 import argparse
@@ -29,117 +30,136 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.compile_probe import load  # noqa: E402
-from service.engine.batching import DecodeBatch  # noqa: E402
-from service.engine.kvcache import new_cache  # noqa: E402
+from bench.probes import load_dev_runner  # noqa: E402
 from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # noqa: E402
+from service.settings import Settings  # noqa: E402
 
-# Top-level operators only: their totals include what they call.
-PRODUCTS = ("corechat::quantized_linear", "aten::linear")
-ATTENTION = ("corechat::attention", "aten::scaled_dot_product_attention")
-# A quantized model's decoder layers run as these (their products inside, unseen by the profiler).
-FUSED = ("corechat::attention_inputs", "corechat::mlp", "corechat::rms_norm")
+PROMPT = [{"role": "user", "content": "Tell me about the history of bread, briefly."}]
+CHUNK = Settings.model_fields["prefill_chunk_tokens"].default
+# The profiler's names of each part; every one is a top-level operator (its total includes its children).
+PARTS = {
+    "layer operators": ("corechat::attention_inputs", "corechat::mlp", "corechat::rms_norm"),
+    "output product": ("corechat::quantized_linear", "aten::linear"),
+    "attention": ("corechat::paged_attention",),
+}
 SAMPLING_REPEATS = 9
 
 
-def filled_batch(model, prompt_ids: list[int], rows: int) -> DecodeBatch:
-    """Process the prompt (minus 0..rows-1 tokens, so rows are padded) per row and join them."""
-    caches = []
+def split(events, wall_seconds: float, repeats: int) -> dict[str, float]:
+    """Return each part's seconds per repeat, the other operators' and Python's (the rest of the wall time)."""
+    every = sum(event.self_cpu_time_total for event in events) / 1e6 / repeats
+    parts = {name: sum(event.cpu_time_total for event in events if event.key in names) / 1e6 / repeats
+             for name, names in PARTS.items()}
+    parts["other operators"] = every - sum(parts.values())
+    parts["python"] = wall_seconds / repeats - every
+    return parts
+
+
+def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict:
+    """Time a batch's decode steps and split a profiled run of them."""
     with torch.inference_mode():
-        for row in range(rows):
-            cache = new_cache(model.config)
-            model(input_ids=torch.tensor([prompt_ids[: len(prompt_ids) - row]]), cache=cache, use_cache=True,
-                  logits_to_keep=1)
-            caches.append(cache)
-    batch = DecodeBatch(model.config)
-    batch.join(caches)
-    return batch
-
-
-def operator_seconds(events, names: tuple[str, ...]) -> float:
-    """Sum the total (self plus children) CPU time of the named top-level operators, in seconds."""
-    return sum(event.cpu_time_total for event in events if event.key in names) / 1e6
-
-
-def measure(model, prompt_ids: list[int], rows: int, steps: int) -> dict:
-    """Time a batch's decode steps and split one profiled step's time."""
-    batch = filled_batch(model, prompt_ids, rows)
-    tokens = [100 + row for row in range(rows)]
-    with torch.inference_mode():
+        kvs = [runner.reserve(len(prompt_ids) + 4 * steps + 8) for _ in range(rows)]
+        for kv in kvs:
+            runner.prefill(kv, prompt_ids, 1)
+        tokens = [100 + row for row in range(rows)]
         for _ in range(3):
-            logits = batch.step(model, tokens)
-        step_times = []
+            logits = runner.decode(kvs, tokens)
+        times = []
         for _ in range(steps):
-            began = time.thread_time()
-            logits = batch.step(model, tokens)
-            step_times.append(time.thread_time() - began)
-        wall_began, cpu_began = time.perf_counter(), time.thread_time()
+            began = time.perf_counter()
+            logits = runner.decode(kvs, tokens)
+            times.append(time.perf_counter() - began)
+        began = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             for _ in range(steps):
-                batch.step(model, tokens)
-        # The profiler clocks wall time: its operator times, scaled to CPU time.
-        scale = (time.thread_time() - cpu_began) / (time.perf_counter() - wall_began)
-    events = profiled.key_averages()
-    every_operator = sum(event.self_cpu_time_total for event in events) / 1e6 / steps
-    step = statistics.median(step_times)
-    products = operator_seconds(events, PRODUCTS) / steps * scale
-    attention = operator_seconds(events, ATTENTION) / steps * scale
-    fused = operator_seconds(events, FUSED) / steps * scale
-    every_operator *= scale
-    samplers = {"greedy": SamplingParams(max_tokens=1, temperature=0.0),
-                "top-p 0.9": SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=1)}
+                runner.decode(kvs, tokens)
+        wall = time.perf_counter() - began
+        for kv in kvs:
+            runner.release(kv)
     sampling = {}
-    for name, params in samplers.items():
-        times = []
+    for name, params in {"greedy": SamplingParams(max_tokens=1, temperature=0.0),
+                         "top-p 0.9": SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=1)}.items():
+        samples = []
         for _ in range(SAMPLING_REPEATS):
-            step_samplers = [Sampler(params, model.config.vocab_size) for _ in range(rows)]
-            began = time.thread_time()
-            sample_tokens(step_samplers, logits)
-            times.append(time.thread_time() - began)
-        sampling[name] = statistics.median(times)
-    return {"rows": rows, "step_seconds": step, "products_seconds": products, "attention_seconds": attention,
-            "fused_layer_seconds": fused, "other_operators_seconds": every_operator - products - attention - fused,
-            "python_seconds": step - every_operator, "sampling_seconds": sampling}
+            samplers = [Sampler(params, logits.shape[-1]) for _ in range(rows)]
+            began = time.perf_counter()
+            sample_tokens(samplers, logits)
+            samples.append(time.perf_counter() - began)
+        sampling[name] = statistics.median(samples)
+    return {"rows": rows, "step_seconds": statistics.median(times), "parts": split(profiled.key_averages(), wall, steps),
+            "sampling_seconds": sampling}
+
+
+def measure_prompt(runner, tokens: int, multiply_adds_per_token: int) -> dict:
+    """Pass a prompt of `tokens` tokens in the engine's chunks, profiled; split its time."""
+    prompt_ids = [1000 + (index * 7919) % 50_000 for index in range(tokens)]
+    with torch.inference_mode():
+        kv = runner.reserve(tokens)
+        runner.prefill(kv, prompt_ids[:CHUNK], 1)  # warm, then the measured pass from scratch
+        runner.release(kv)
+        kv = runner.reserve(tokens)
+        began = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+            for start in range(0, tokens, CHUNK):
+                runner.prefill(kv, prompt_ids[start:start + CHUNK], 1)
+        wall = time.perf_counter() - began
+        runner.release(kv)
+    parts = split(profiled.key_averages(), wall, 1)
+    return {"tokens": tokens, "seconds": wall, "parts": parts,
+            "product_multiply_adds_per_second": multiply_adds_per_token * tokens / parts["layer operators"]}
+
+
+def layer_multiply_adds(runner) -> int:
+    """Return the decoder layers' product multiply-adds per token (the output layer runs once per prompt)."""
+    config = runner.lean.model.config
+    layers, kv_heads, head_dim = runner.lean.shape
+    hidden, inner = config.hidden_size, config.intermediate_size
+    per_layer = hidden * (config.num_attention_heads * head_dim + 2 * kv_heads * head_dim)
+    per_layer += config.num_attention_heads * head_dim * hidden + 3 * hidden * inner
+    return layers * per_layer
 
 
 def main() -> None:
-    """Measure every dtype and batch size asked for and report the split."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Measure every dtype asked for and report the splits."""
+    parser = argparse.ArgumentParser(prog="python bench/step_probe.py", description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["int8", "int4"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--prompts", nargs="+", type=int, default=[850, 5000])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (a default worker has 1 here)")
-    parser.add_argument("--forwards", nargs="+", default=["lean", "transformers"],
-                        help="the engine's lean Qwen2 forward and/or transformers' own")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = {"threads": args.threads, "runs": []}
-    lines = ["| DTYPE | forward | rows | step | products | fused layer operators (products inside) | attention | "
-             "other operators | Python | sampling (greedy / top-p), all rows |", "|---|---|---|---|---|---|---|---|---|---|"]
+    results = {"threads": args.threads, "decode": [], "prompt": []}
+    part_names = list(PARTS) + ["other operators", "python"]
+    decode_lines = ["| DTYPE | rows | step | " + " | ".join(part_names) + " | sampling (greedy / top-p), all rows |",
+                    "|---|---|---|" + "---|" * len(part_names) + "---|"]
+    prompt_lines = ["| DTYPE | prompt tokens | pass | " + " | ".join(part_names) + " | products, G multiply-adds/s |",
+                    "|---|---|---|" + "---|" * len(part_names) + "---|"]
     for dtype in args.dtypes:
-        model, prompt_ids = load(dtype)
-        lean = model.__dict__.get("forward")
-        for forward in args.forwards:
-            # The lean forward is an attribute of the model; without it, transformers' class forward runs.
-            if forward == "lean" and lean is not None:
-                model.forward = lean
-            elif forward == "transformers":
-                model.__dict__.pop("forward", None)
-            else:
-                continue
-            for rows in args.rows:
-                run = {"dtype": dtype, "forward": forward, **measure(model, prompt_ids, rows, args.steps)}
-                results["runs"].append(run)
-                step = run["step_seconds"]
-                parts = [f"{run[key] * 1e3:.1f} ms ({run[key] / step:.0%})"
-                         for key in ("products_seconds", "fused_layer_seconds", "attention_seconds", "other_operators_seconds",
-                                     "python_seconds")]
-                sampling = run["sampling_seconds"]
-                lines.append(f"| {dtype} | {forward} | {rows} | {step * 1e3:.1f} ms | " + " | ".join(parts)
-                             + f" | {sampling['greedy'] * 1e3:.2f} / {sampling['top-p 0.9'] * 1e3:.2f} ms |")
-        del model
-    table = (f"## Decode step split, qwen2.5-0.5b dev model, {args.threads} thread(s), ~40-token context\n\n"
-             + "\n".join(lines) + "\n")
+        runner, tokenizer = load_dev_runner(dtype)
+        prompt_ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+        if not isinstance(prompt_ids, list):
+            prompt_ids = prompt_ids["input_ids"]
+        for rows in args.rows:
+            run = {"dtype": dtype, **measure_decode(runner, prompt_ids, rows, args.steps)}
+            results["decode"].append(run)
+            step = run["step_seconds"]
+            parts = " | ".join(f"{run['parts'][name] * 1e3:.1f} ms ({run['parts'][name] / step:.0%})" for name in part_names)
+            sampling = run["sampling_seconds"]
+            decode_lines.append(f"| {dtype} | {rows} | {step * 1e3:.1f} ms | {parts} | "
+                                f"{sampling['greedy'] * 1e3:.2f} / {sampling['top-p 0.9'] * 1e3:.2f} ms |")
+        for tokens in args.prompts:
+            run = {"dtype": dtype, **measure_prompt(runner, tokens, layer_multiply_adds(runner))}
+            results["prompt"].append(run)
+            seconds = run["seconds"]
+            parts = " | ".join(f"{run['parts'][name]:.2f} s ({run['parts'][name] / seconds:.0%})" for name in part_names)
+            prompt_lines.append(f"| {dtype} | {tokens} | {seconds:.2f} s | {parts} | "
+                                f"{run['product_multiply_adds_per_second'] / 1e9:.0f} |")
+        del runner
+    table = "\n".join([
+        f"Qwen2.5-0.5B-shaped dev model, {args.threads} thread(s).", "", "### Decode step (~40-token context)", "",
+        *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; products = the layer operators, norms and "
+        "rotary included)", "", *prompt_lines, ""])
     save_results("step", results, table)
 
 

@@ -158,6 +158,8 @@ class DevModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     max_window_layers: int
+    # Each head's width; None takes hidden_size / num_attention_heads, as Qwen2.5 does.
+    head_dim: int | None = None
 
 
 PRESETS = {
@@ -179,6 +181,17 @@ PRESETS = {
         num_key_value_heads=2,
         max_window_layers=21,
     ),
+    # The 0.5B model's KV state per token and more (16 KiB) around almost no products, so that
+    # filling a worker's whole KV budget with long prompts takes seconds: for memory-bound tests.
+    "kv-heavy": DevModelShape(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_window_layers=4,
+        head_dim=128,
+    ),
 }
 
 
@@ -198,6 +211,7 @@ def make_model_config(preset: str) -> Qwen2Config:
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         max_window_layers=shape.max_window_layers,
+        **({"head_dim": shape.head_dim} if shape.head_dim is not None else {}),
         hidden_act="silu",
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,

@@ -106,10 +106,10 @@ class Settings(BaseSettings):
         "measured (at least 16 tokens, at most PREFILL_CHUNK_TOKENS); 0 cuts by PREFILL_CHUNK_TOKENS alone."
     )
     kv_cache_mb: int = Field(
-        1024, ge=1, description="Memory per worker for the KV state of running sequences. A request starts "
-        "only when its prompt plus max_tokens fits next to the running ones, every row counted at the "
-        "longest row's length (the batch pads to it); the others wait in the queue, and one that could "
-        "never fit gets a 400. At 12 KiB per token (Qwen2.5-0.5B) the default holds 87,381 tokens."
+        1024, ge=1, description="Memory per worker for the KV state of running sequences, in pages of 64 "
+        "tokens. A request starts only when the pages of its prompt plus max_tokens (each choice's) are free, "
+        "and holds them until it ends; the others wait in the queue, and one that could never fit gets a 400. "
+        "At 12 KiB per token (Qwen2.5-0.5B) the default holds 1,365 pages, 87,360 tokens."
     )
     warmup: bool = Field(True, description="Run a short real generation before reporting ready.")
     sse_ping_seconds: float = Field(

@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from service.engine import Engine, Failed, SamplingParams, TextDelta
-from service.engine.batching import DecodeBatch
-from service.engine.kvcache import new_cache
 from service.engine import scheduler
 from support import ready_facts
 
-# Prompt lengths that give a batch wide and uneven left padding (the tiny model handles any).
+# Prompt lengths of a batch of uneven sequences (the tiny model handles any).
 LENGTHS = [37, 300, 5, 120, 600, 64, 9, 200]
 STEPS = 6
 INVARIANT_FORMATS = ["int8", "int4", "bfloat16"]
@@ -37,42 +35,44 @@ def random_prompts() -> list[list[int]]:
     return [torch.randint(100, 5000, (length,), generator=generator).tolist() for length in LENGTHS]
 
 
-def decode(model, prompts: list[list[int]], leave_after: int | None = None) -> list[list[torch.Tensor]]:
+def decode(runner, prompts: list[list[int]], leave_after: int | None = None) -> list[list[torch.Tensor]]:
     """Process each prompt alone, decode them as one batch for STEPS greedy steps; return each row's logits per step.
 
-    With leave_after, every other row leaves the batch after that many steps (the rest go on, trimmed).
+    With leave_after, every other row leaves the batch after that many steps (the rest go on).
     """
-    caches, tokens = [], []
+    kvs, tokens = [], []
     with torch.inference_mode():
         for ids in prompts:
-            cache = new_cache(model.config)
-            logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
-            caches.append(cache)
-            tokens.append(int(logits[0, -1].argmax()))
-        batch = DecodeBatch(model.config)
-        batch.join(caches)
+            kv = runner.reserve(len(ids) + STEPS)
+            logits = runner.prefill(kv, ids, 1)
+            kvs.append(kv)
+            tokens.append(int(logits[-1].argmax()))
         rows = list(range(len(prompts)))
         seen = [[] for _ in prompts]
         for step in range(STEPS):
             if step == leave_after:
-                leaving = list(range(1, len(rows), 2))
-                batch.leave(leaving)
+                leaving = set(range(1, len(rows), 2))
+                for index in leaving:
+                    runner.release(kvs[index])
                 rows = [row for index, row in enumerate(rows) if index not in leaving]
                 tokens = [token for index, token in enumerate(tokens) if index not in leaving]
-            logits = batch.step(model, tokens)
+                kvs = [kv for index, kv in enumerate(kvs) if index not in leaving]
+            logits = runner.decode(kvs, tokens)
             for index, row in enumerate(rows):
                 seen[row].append(logits[index].clone())
             tokens = logits.argmax(-1).tolist()
+        for kv in kvs:
+            runner.release(kv)
     return seen
 
 
 def test_a_rows_logits_are_the_same_bits_alone_and_in_batches_of_2_5_and_8(format_engine):
-    """Rows of every padding, joined in another order and beside others that leave, keep their bits."""
-    model, prompts = format_engine.model, random_prompts()
-    alone = [decode(model, [ids])[0] for ids in prompts]
+    """Rows of every length, joined in another order and beside others that leave, keep their bits."""
+    runner, prompts = format_engine._scheduler.runner, random_prompts()
+    alone = [decode(runner, [ids])[0] for ids in prompts]
     for size in (2, 5, 8):
         order = list(range(size))[::-1]
-        together = decode(model, [prompts[row] for row in order], leave_after=2 if size == 8 else None)
+        together = decode(runner, [prompts[row] for row in order], leave_after=2 if size == 8 else None)
         for index, row in enumerate(order):
             for step, logits in enumerate(together[index]):
                 assert torch.equal(logits, alone[row][step]), (format_engine.settings.dtype, size, row, step)
@@ -145,29 +145,34 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
 def test_a_prompt_gives_the_same_logits_whole_chunked_from_a_stored_prefix_and_decoded(format_engine):
     """A token's logits do not depend on how its prompt was cut, on a prefix coming from the store,
     or on its being decoded rather than processed in a prompt pass."""
-    model = format_engine.model
+    runner = format_engine._scheduler.runner
     ids = random_prompts()[3][:100] + random_prompts()[7]
 
-    def last_logits(cuts: list[int]) -> torch.Tensor:
-        """Process the prompt in passes cut at `cuts`; return the last position's logits."""
-        cache, logits = new_cache(model.config), None
+    def last_logits(cuts: list[int], stored: int = 0) -> torch.Tensor:
+        """Process the prompt in passes cut at `cuts` (after `stored` tokens taken from the stored
+        state of another pass); return the last position's logits."""
+        kv, logits = runner.reserve(len(ids)), None
         with torch.inference_mode():
-            for begin, end in zip([0] + cuts, cuts + [len(ids)]):
-                logits = model(input_ids=torch.tensor([ids[begin:end]]), cache=cache, use_cache=True,
-                               logits_to_keep=1).logits[0, -1]
+            if stored:
+                source = runner.reserve(stored)
+                runner.prefill(source, ids[:stored], 1)
+                runner.load(kv, [(keys.clone(), values.clone()) for keys, values in runner.read(source, stored)], stored)
+                runner.release(source)
+            for begin, end in zip([stored] + cuts, cuts + [len(ids)]):
+                logits = runner.prefill(kv, ids[begin:end], 1)[-1]
+        runner.release(kv)
         return logits
 
     whole = last_logits([])
     assert torch.equal(last_logits(list(range(16, len(ids), 16))), whole)
     assert torch.equal(last_logits([200]), whole)
+    assert torch.equal(last_logits([], stored=130), whole)
     # The last token decoded after a prompt pass over the others, as in a batch.
     with torch.inference_mode():
-        cache = new_cache(model.config)
-        model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
-    batch = DecodeBatch(model.config)
-    batch.join([cache])
-    with torch.inference_mode():
-        decoded = batch.step(model, [ids[-1]])[0]
+        kv = runner.reserve(len(ids))
+        runner.prefill(kv, ids[:-1], 1)
+        decoded = runner.decode([kv], [ids[-1]])[0]
+        runner.release(kv)
     assert torch.equal(decoded, whole)
 
 

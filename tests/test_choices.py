@@ -187,17 +187,15 @@ def test_choices_are_never_cached(server):
 
 
 class PromptTokenCounter:
-    """Wrap a model and count the tokens it is fed one row at a time: prompt passes, not decode steps."""
+    """Wrap a runner's prompt passes and count the tokens they are fed."""
 
-    def __init__(self, model):
-        self.model = model
-        self.config = model.config
+    def __init__(self, runner):
+        self.prefill = runner.prefill
         self.prompt_tokens = 0
 
-    def __call__(self, *, input_ids, **kwargs):
-        if input_ids.shape[0] == 1 and input_ids.shape[1] > 1:
-            self.prompt_tokens += input_ids.shape[1]
-        return self.model(input_ids=input_ids, **kwargs)
+    def __call__(self, kv, token_ids, keep_last):
+        self.prompt_tokens += len(token_ids)
+        return self.prefill(kv, token_ids, keep_last)
 
 
 def test_the_choices_share_one_prompt_pass(make_settings):
@@ -207,8 +205,9 @@ def test_the_choices_share_one_prompt_pass(make_settings):
     engine.start()
     try:
         assert engine.wait_ready(120)
-        counter = PromptTokenCounter(engine._scheduler.model)
-        engine._scheduler.model = counter
+        runner = engine._scheduler.runner
+        counter = PromptTokenCounter(runner)
+        runner.prefill = counter
         prompt = engine.template.encode(PROMPT)
         group = engine.submit_choices(prompt, [SamplingParams(max_tokens=4, seed=index) for index in range(3)])
         events = list(group.events())

@@ -1,4 +1,4 @@
-"""What bounds a worker's KV memory: the token budget, its arithmetic, and admission through Gunicorn."""
+"""What bounds a worker's KV memory: the budget in pages, its arithmetic, and admission through Gunicorn."""
 
 import json
 import time
@@ -9,8 +9,7 @@ import requests
 import torch
 
 from service.devmodel import make_model_config
-from service.engine.kvcache import cache_layers
-from service.engine.memory import kv_bytes_per_token, kv_token_budget, reserved_kv_tokens
+from service.engine.memory import PAGE_TOKENS, KVBudget, kv_bytes_per_token, pages_needed
 from service.settings import Settings
 from support import GunicornServer
 
@@ -23,38 +22,44 @@ class Queued:
     def __init__(self, prompt_tokens: int, max_tokens: int):
         self.prompt_ids = [0] * prompt_tokens
         self.params = type("Params", (), {"max_tokens": max_tokens})()
+        self.places = 1
 
 
-def test_the_default_budget_holds_87381_tokens_of_qwen2_5_0_5b():
-    """Qwen2.5-0.5B keeps 24 layers x 2 KV heads x 64 dims x keys and values x 2 bytes per token."""
+def test_the_default_budget_holds_1365_pages_of_qwen2_5_0_5b():
+    """Qwen2.5-0.5B keeps 24 layers x 2 KV heads x 64 dims x keys and values x 2 bytes per token, so
+    1 GiB holds 1,365 pages of 64 tokens: 87,360 tokens, above the model's 32,768-token context."""
     config = make_model_config("qwen2.5-0.5b")
     assert kv_bytes_per_token(config, torch.bfloat16) == 24 * 2 * 64 * 2 * 2 == 12_288
-    assert Settings().kv_cache_mb == 1024
-    assert kv_token_budget(1024, 12_288) == 87_381  # above the model's 32,768-token context
-    assert kv_token_budget(1024, kv_bytes_per_token(config, torch.float32)) == 43_690
+    assert Settings().kv_cache_mb == 1024 and PAGE_TOKENS == 64
+    budget = KVBudget.of(1024, 12_288)
+    assert (budget.pages, budget.tokens) == (1365, 87_360)
+    assert budget.pages * budget.page_bytes <= 1024 * 1024 * 1024
+    assert KVBudget.of(1024, kv_bytes_per_token(config, torch.float32)).pages == 682
 
 
-def test_every_row_is_reserved_at_the_longest_rows_length():
-    """The batch left-pads rows to its longest: a short row next to a long one costs as much."""
-    assert reserved_kv_tokens([]) == 0
-    assert reserved_kv_tokens([Queued(100, 28)]) == 128
-    assert reserved_kv_tokens([Queued(100, 28), Queued(28_000, 512), Queued(10, 10)]) == 3 * 28_512
+def test_each_sequence_reserves_the_pages_of_its_own_prompt_and_max_tokens():
+    """Nothing is padded to another sequence's length: a short request next to a long one costs its own pages."""
+    assert pages_needed(Queued(100, 28)) == 2
+    assert pages_needed(Queued(64, 0)) == 1 and pages_needed(Queued(64, 1)) == 2
+    assert pages_needed(Queued(28_000, 512)) == 446
 
 
-def test_the_budget_arithmetic_matches_the_cache_the_engine_builds(engine):
-    """A stored prompt's KV state takes exactly kv_bytes_per_token per token (int8 keeps a bf16 cache)."""
+def test_the_budget_arithmetic_matches_the_pool_and_the_stored_state(engine):
+    """The pool is the budget's pages exactly, and a stored prompt's KV state takes kv_bytes_per_token per token."""
     prompt = engine.template.encode(engine.template.render([{"role": "user", "content": "Measure my cache, please."}]))
     from service.engine import SamplingParams
 
+    pool = engine._scheduler.runner.pool
+    assert pool.storage.nbytes == pool.budget.pages * pool.budget.page_bytes <= engine.settings.kv_cache_mb * 2**20
     list(engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0)).events())
-    found, length = engine._scheduler.prefixes.lookup([*prompt, 0])
+    layers, length = engine._scheduler.prefixes.lookup([*prompt, 0])
     assert length == len(prompt)
-    stored = cache_layers(found)
-    assert sum(keys.nbytes + values.nbytes for keys, values in stored) == len(prompt) * engine.facts.kv_bytes_per_token
+    held = sum(keys[:, :, :length].nbytes + values[:, :, :length].nbytes for keys, values in layers)
+    assert held == len(prompt) * engine.facts.kv_bytes_per_token
 
 
-# The tiny model keeps 256 bytes per token: 1 MiB holds 4,096 tokens, so two requests of a
-# 1,933-token prompt and 100 new tokens fit together and a third waits.
+# The tiny model keeps 256 bytes per token: 1 MiB holds 64 pages of 64 tokens, so two requests of
+# a 1,933-token prompt and 100 new tokens (32 pages each) fit together and a third waits.
 BUDGET_TOKENS = 4096
 PROMPT_WORDS = 1900
 MAX_TOKENS = 100

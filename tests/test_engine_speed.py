@@ -168,11 +168,11 @@ def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chu
     """Alone, a long prompt goes in PREFILL_CHUNK_TOKENS chunks; beside a decoding stream, in chunks
     cut to PREFILL_STALL_SECONDS at the measured speed (a stall of a nanosecond: the least, 16)."""
     from service.engine import Started
-    from service.engine.scheduler import Scheduler
+    from service.engine.prompts import PromptPass
 
     taken = []
-    original = Scheduler._prefill
-    monkeypatch.setattr(Scheduler, "_prefill", lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
+    original = PromptPass.run
+    monkeypatch.setattr(PromptPass, "run", lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
     engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=128, prefill_stall_seconds=1e-9)
     try:
         long_prompt = engine.template.encode(engine.template.render([{"role": "user", "content": SYSTEM * 3}]))

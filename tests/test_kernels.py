@@ -1,5 +1,6 @@
-"""corechat's C++ kernels: every SIMD path against the plain reference, the reference against float
-math, and a row's result against the rows that share its call.
+"""corechat's C++ quantized products: every SIMD path against the plain reference, the reference
+against float math, and a row's result against the rows that share its call (attention:
+test_attention.py).
 
 The library is the one `make setup` built for this CPU (built here if missing). Paths this CPU
 cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the report says which.
@@ -199,84 +200,3 @@ def test_builds_are_keyed_by_the_cpus_instruction_sets():
     assert [isa.name for isa in kernels.instruction_sets(with_vnni)] == ["avx2", "avx512_vnni"]
     keys = {kernels.build_key(kernels.instruction_sets(flags)) for flags in (set(), avx2_only, with_vnni)}
     assert len(keys) == 3
-
-
-def expected_attention(query, keys, values, start: int, scale: float) -> torch.Tensor:
-    """One row's decode attention in float64 over columns [start, width): (heads, dim)."""
-    heads, kv_heads = query.shape[0], keys.shape[0]
-    group = heads // kv_heads
-    output = []
-    for head in range(heads):
-        k, v = keys[head // group, start:].double(), values[head // group, start:].double()
-        weights = torch.softmax(k @ query[head].double() * scale, dim=0)
-        output.append(weights @ v)
-    return torch.stack(output)
-
-
-def attention(query, keys, values, cache_rows, starts, ends, scale):
-    """Run the attention kernel on int64 index lists."""
-    index = {name: torch.tensor(v, dtype=torch.long) for name, v in (("c", cache_rows), ("s", starts), ("e", ends))}
-    return torch.ops.corechat.attention(query, keys, values, index["c"], index["s"], index["e"], scale)
-
-
-def test_decode_attention_matches_softmax_attention_and_ignores_padding():
-    """Each row attends over its own columns: float64 math within bfloat16 rounding, and the same
-    bits as the row alone in an unpadded cache."""
-    generator = torch.Generator().manual_seed(6)
-    heads, kv_heads, dim, width = 14, 2, 64, 300
-    lengths = [300, 1, 17, 250, 64, 299, 8, 123]
-    rows = len(lengths)
-    query = torch.randn(rows, heads, dim, generator=generator).to(torch.bfloat16)
-    keys = torch.randn(rows, kv_heads, width, dim, generator=generator).to(torch.bfloat16)
-    values = torch.randn(rows, kv_heads, width, dim, generator=generator).to(torch.bfloat16)
-    starts = [width - length for length in lengths]
-    batched = attention(query, keys, values, list(range(rows)), starts, [width] * rows, dim**-0.5)
-    for row, start in enumerate(starts):
-        want = expected_attention(query[row], keys[row], values[row], start, dim**-0.5)
-        assert torch.allclose(batched[row].double(), want, rtol=2e-2, atol=2e-2)
-        own_keys = keys[row : row + 1, :, start:].contiguous()
-        own_values = values[row : row + 1, :, start:].contiguous()
-        alone = attention(query[row : row + 1], own_keys, own_values, [0], [0], [width - start], dim**-0.5)
-        assert torch.equal(alone[0], batched[row]), row
-
-
-def test_prompt_rows_attend_causally_and_as_a_decode_step_would():
-    """A prompt's token p attends to keys 0..p, the same bits as decoding it after p earlier tokens."""
-    generator = torch.Generator().manual_seed(7)
-    heads, kv_heads, dim, tokens = 14, 2, 64, 40
-    query = torch.randn(tokens, heads, dim, generator=generator).to(torch.bfloat16)
-    keys = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
-    values = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
-    prompt = attention(query, keys, values, [0] * tokens, [0] * tokens, list(range(1, tokens + 1)), 0.125)
-    for token in range(tokens):
-        step = attention(query[token : token + 1], keys[:, :, : token + 1].contiguous(),
-                         values[:, :, : token + 1].contiguous(), [0], [0], [token + 1], 0.125)
-        assert torch.equal(prompt[token], step[0]), token
-        causal = expected_attention(query[token], keys[0, :, : token + 1], values[0, :, : token + 1], 0, 0.125)
-        assert torch.allclose(prompt[token].double(), causal, rtol=2e-2, atol=2e-2)
-
-
-def test_attention_reads_a_cache_in_place_from_the_start_of_larger_tensors():
-    """A cache's views of its room (service/engine/kvcache.py) give the bits of the same keys
-    contiguous; a cache whose tokens' vectors are not contiguous is refused, not misread."""
-    generator = torch.Generator().manual_seed(8)
-    rows, heads, kv_heads, dim, width, room = 3, 14, 2, 64, 37, 300
-    query = torch.randn(rows, heads, dim, generator=generator).to(torch.bfloat16)
-    keys_room = torch.randn(rows, kv_heads, room, dim, generator=generator).to(torch.bfloat16)
-    values_room = torch.randn(rows, kv_heads, room, dim, generator=generator).to(torch.bfloat16)
-    keys, values = keys_room[:, :, :width], values_room[:, :, :width]
-    assert not keys.is_contiguous()
-    spans = (list(range(rows)), [0, 5, 36], [width] * rows)
-    in_place = attention(query, keys, values, *spans, 0.125)
-    assert torch.equal(in_place, attention(query, keys.contiguous(), values.contiguous(), *spans, 0.125))
-    with pytest.raises(RuntimeError, match="contiguous"):
-        attention(query, keys.transpose(2, 3).contiguous().transpose(2, 3), values, *spans, 0.125)
-
-
-def test_attention_refuses_rows_without_keys_or_cache():
-    """An empty or out-of-range span would read nothing or outside the cache: an error, not garbage."""
-    query = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-    cache = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
-    for cache_rows, starts, ends in (([0], [4], [4]), ([0], [0], [5]), ([1], [0], [4]), ([0], [2], [1])):
-        with pytest.raises(RuntimeError, match="no key|no cache row"):
-            attention(query, cache, cache, cache_rows, starts, ends, 1.0)

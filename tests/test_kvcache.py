@@ -1,20 +1,27 @@
-"""The engine's KV cache appends into room in place and holds what transformers' DynamicCache holds.
+"""The KV cache of sequences on transformers' forward appends into room in place and holds what
+transformers' DynamicCache holds.
 
 transformers' DynamicLayer concatenates on every append (a copy of the layer's whole cache per
 decode step); kvcache.py's GrowingLayer writes into room it allocated ahead. These tests hold it to
 the same contents and the same logits as transformers' cache, to writing in place until its room is
-full, and to never writing a tensor it was handed.
+full, and to never writing a tensor it was handed. kvcache.py builds layers from tensors it already
+holds through DynamicLayer's `keys`/`values` and `lazy_initialization`; those internals change
+between transformers releases, and the tests below fail on an upgrade that moves them first.
 """
 
 import pytest
 import torch
 from transformers import AutoConfig, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from service.engine import Engine
-from service.engine.batching import DecodeBatch
 from service.engine.kvcache import ROOM_TOKENS, GrowingLayer, build_cache, cache_layers, new_cache, reserve
+from service.engine.loading import load_model
 
 HEADS, DIM = 2, 16
+# A Qwen2.5 chat prompt's first tokens, then one more for the step after it.
+PROMPT = [151644, 872, 198, 9707, 151645, 198]
+NEXT = [9707]
 
 
 @pytest.fixture(scope="module")
@@ -84,33 +91,56 @@ def test_a_cache_never_writes_tensors_it_was_handed(config):
     assert torch.equal(held[:, :, :5], keys[:, :, :5])
 
 
-def test_a_batch_join_and_leave_leave_room_for_the_next_steps(engine):
-    """DecodeBatch hands its new tensors over as room: the steps after a join or a leave copy nothing."""
-    model = engine.model
-    caches = []
+def test_transformers_still_gives_qwen2_one_plain_dynamic_layer_per_layer(config):
+    """build_cache hands tensors over without a copy only to DynamicLayer; any other layer type would
+    silently take the copying path."""
+    cache = DynamicCache(config=config)
+    assert len(cache.layers) == config.num_hidden_layers
+    assert all(type(layer) is DynamicLayer for layer in cache.layers), (
+        "transformers changed DynamicCache's layers: review service/engine/kvcache.py"
+    )
+    layer = cache.layers[0]
+    keys, values = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    assert layer.is_initialized and layer.get_seq_length() == 3
+    assert cache_layers(cache)[0] == (keys, values)
+
+
+def test_a_rebuilt_cache_holds_the_same_tensors_and_the_model_continues_it_as_the_original(tiny_model_dir):
+    """A round trip through cache_layers and build_cache keeps the very tensors, and the next forward
+    over the rebuilt cache gives exactly the logits of the one over the model's own cache."""
+    model = load_model(tiny_model_dir, torch.float32)
     with torch.inference_mode():
-        for length in (3, 9, 5):
-            cache = new_cache(model.config)
-            model(input_ids=torch.arange(100, 100 + length).unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
-            caches.append(cache)
-        kept = cache_layers(caches[1])[0][0].clone()
-        batch = DecodeBatch(model.config)
-        batch.join(caches)
-        for leaving in ([], [0]):
-            if leaving:
-                batch.leave(leaving)
-            before = [keys.data_ptr() for keys, _ in cache_layers(batch.cache)]
-            batch.step(model, [7] * len(batch))
-            assert [keys.data_ptr() for keys, _ in cache_layers(batch.cache)] == before
-    # The middle row, now first: its prompt's keys at the right end of the columns before the two steps.
-    keys = cache_layers(batch.cache)[0][0]
-    assert keys.shape[:3] == (2, kept.shape[1], 11) and torch.equal(keys[0, :, :9], kept[0])
+        original = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([PROMPT]), cache=original, use_cache=True)
+        layers = cache_layers(original)
+        rebuilt = build_cache(model.config, layers)
+        assert all(keys is rebuilt_keys and values is rebuilt_values
+                   for (keys, values), (rebuilt_keys, rebuilt_values) in zip(layers, cache_layers(rebuilt)))
+        assert rebuilt.get_seq_length() == original.get_seq_length() == len(PROMPT)
+        expected = model(input_ids=torch.tensor([NEXT]), cache=original, use_cache=True).logits
+        got = model(input_ids=torch.tensor([NEXT]), cache=rebuilt, use_cache=True).logits
+    assert torch.equal(got, expected)
+    assert rebuilt.get_seq_length() == original.get_seq_length() == len(PROMPT) + 1
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-def test_a_model_gives_the_same_logits_over_both_caches(make_settings, dtype):
-    """A chunked 500-token prompt (its room filled and grown) and decode steps: logits to the bit."""
-    engine = Engine(make_settings(dtype=dtype, max_model_len=1024))
+def test_a_built_cache_holds_the_given_tensors_and_appending_leaves_them_unchanged(config):
+    """Batch joins and prefix lookups hand their tensors over without another copy, and never see them written."""
+    layers = [(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)) for _ in range(config.num_hidden_layers)]
+    copies = [(keys.clone(), values.clone()) for keys, values in layers]
+    cache = build_cache(config, layers)
+    assert cache.get_seq_length() == 5
+    assert all(layer.keys is keys and layer.values is values for layer, (keys, values) in zip(cache.layers, layers))
+    cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    assert cache.layers[0].keys.shape[-2] == 6
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(layers, copies))
+
+
+def test_a_model_gives_the_same_logits_over_both_caches(make_settings):
+    """On transformers' forward (float32), a chunked 500-token prompt (its room filled and grown) and
+    decode steps: logits to the bit."""
+    engine = Engine(make_settings(dtype="float32", max_model_len=1024))
     engine.start()
     try:
         assert engine.wait_ready(300), engine.facts

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from service.engine import Engine, Failed, Finished, SamplingParams, Started, TextDelta
-from service.engine.batching import DecodeBatch
-from service.engine.scheduler import MIN_CHUNK_TOKENS, prompt_shares
+from service.engine.prompts import MIN_CHUNK_TOKENS, prompt_shares
+from service.engine.runners import PagedModel
 
 # Long enough that its pass takes many steps of PREFILL_CHUNK_TOKENS on the tiny model.
 LONG_TOKENS = 24_000
@@ -113,20 +113,25 @@ def test_a_prompt_whose_deadline_passes_mid_pass_ends_with_length(default_engine
     assert isinstance(ended, Finished) and ended.finish_reason == "length" and ended.completion_tokens == 0
 
 
-def test_a_failed_join_ends_the_joining_sequences_and_the_engine_serves_on(default_engine, monkeypatch):
-    """A batch join that raises (as running out of memory does) fails the sequences it was joining."""
-    original = DecodeBatch.join
-    failures = iter([MemoryError("injected: no memory for the joined rows")])
+def test_a_failed_decode_step_ends_every_sequence_it_held_frees_their_pages_and_the_engine_serves_on(
+        default_engine, monkeypatch):
+    """A decode step that raises (as running out of memory would) fails each sequence it was running with an
+    error event, gives their KV pages back, and the next requests are served."""
+    runner = default_engine._scheduler.runner
+    free_before = runner.pool.free_pages
+    original = PagedModel.decode
+    failures = iter([MemoryError("injected: no memory for this step")])
 
-    def join_failing_once(self, caches):
+    def decode_failing_once(self, kvs, token_ids):
         failure = next(failures, None)
         if failure is not None:
             raise failure
-        return original(self, caches)
+        return original(self, kvs, token_ids)
 
-    monkeypatch.setattr(DecodeBatch, "join", join_failing_once)
+    monkeypatch.setattr(PagedModel, "decode", decode_failing_once)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     failed = Watched(default_engine.submit(prompt(40, offset=5), params)).last()
     assert isinstance(failed, Failed) and "MemoryError" in failed.message
     served = Watched(default_engine.submit(prompt(40, offset=6), params)).last()
     assert isinstance(served, Finished) and served.completion_tokens == 4
+    assert runner.pool.free_pages == free_before, "a failed or finished sequence still holds KV pages"

@@ -26,9 +26,10 @@ from .loading import (
     resolve_model_dir,
 )
 from .cores import SharedCores, no_sharing
-from .memory import kv_bytes_per_token, kv_token_budget, most_tokens, return_freed_memory
+from .memory import KVBudget, kv_bytes_per_token, pages_needed, return_freed_memory
 from .prefixes import PrefixStore
 from .prepare import prepare_model
+from .runners import PagedModel, TransformersModel
 from .sampling import SAMPLER_VERSION, SamplingParams
 from .scheduler import Scheduler
 from .template import ChatTemplate
@@ -64,7 +65,8 @@ class Engine:
         self.generation_defaults = None
         self.grammars: Grammars | None = None
         self.context_length = 0
-        # Cache tokens (padding included) this worker's running sequences may reach together.
+        # This worker's KV memory in pages (KV_CACHE_MB), and the most tokens one sequence may hold in it.
+        self.kv_budget: KVBudget | None = None
         self.kv_token_budget = 0
         self.facts = EngineFacts()
         self._eos_ids: set[int] = set()
@@ -106,7 +108,8 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, config.vocab_size, sorted(self._eos_ids))
         self._speller = TokenSpeller(self.tokenizer)
         bytes_per_token = kv_bytes_per_token(config, DTYPES[self.settings.dtype])
-        self.kv_token_budget = kv_token_budget(self.settings.kv_cache_mb, bytes_per_token)
+        self.kv_budget = KVBudget.of(self.settings.kv_cache_mb, bytes_per_token)
+        self.kv_token_budget = self.kv_budget.tokens
         self.facts.update(kv_bytes_per_token=bytes_per_token, kv_token_budget=self.kv_token_budget,
                           state=EngineState.LOADING)
         self._thread = threading.Thread(target=self._run, name="corechat-engine", daemon=True)
@@ -200,12 +203,14 @@ class Engine:
             context_length=self.context_length,
             fingerprint=self.fingerprint,
         )
+        runner = (PagedModel(prepared.lean, self.kv_budget) if prepared.lean is not None
+                  else TransformersModel(self.model, self.kv_budget))
         self._scheduler = Scheduler(
-            self.settings, self.model, self.tokenizer, pending=self._pending,
+            self.settings, runner, self.tokenizer, vocab_size=self.model.config.vocab_size, pending=self._pending,
             prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024,
-                                 self.settings.prefix_store_root, f"{self.fingerprint}-{self.settings.dtype}"),
-            eos_ids=self._eos_ids, speller=self._speller, kv_token_budget=self.kv_token_budget, facts=self.facts,
-            cores=self.cores,
+                                 self.settings.prefix_store_root, f"{self.fingerprint}-{self.settings.dtype}",
+                                 DTYPES[self.settings.dtype]),
+            eos_ids=self._eos_ids, speller=self._speller, facts=self.facts, cores=self.cores,
         )
         log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts.load_seconds, dtype)
 
@@ -279,9 +284,9 @@ class Engine:
 
     def _queue(self, generation: Generation) -> None:
         """Put a generation (and its sibling choices) in the queue if its places are free."""
-        needed = most_tokens(generation) * generation.places
-        if self.kv_token_budget and needed > self.kv_token_budget:
-            raise ValueError(f"{needed} tokens exceed the KV budget of {self.kv_token_budget}")
+        if self.kv_budget is not None and pages_needed(generation) > self.kv_budget.pages:
+            raise ValueError(f"{generation.places} x {len(generation.prompt_ids) + generation.params.max_tokens} tokens "
+                             f"exceed the KV budget of {self.kv_token_budget} tokens")
         full = EngineOverloaded(f"all {self.settings.max_queue} queue places of this worker are taken")
         with self._admission:
             if self._closed_reason is not None or self._stopping.is_set():

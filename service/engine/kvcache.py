@@ -1,28 +1,27 @@
-"""The KV cache: transformers' DynamicCache, whose plain layers append into room instead of concatenating.
+"""A sequence's own KV cache on transformers' forward (runners.TransformersModel): transformers'
+DynamicCache, whose plain layers append into room allocated once instead of concatenating.
 
-DynamicLayer.update concatenates, so every decode step copied each layer's whole cache: at 4,096
-tokens of context and 4 rows, about 40 ms of a 0.5B int8 step of 290 ms (bench/kv_append_probe.py). A GrowingLayer keeps its keys and values as views of the first
-columns of larger tensors it allocated (its room) and writes each step's column into the room; a full
-room is replaced by one ROOM_TOKENS columns longer than needed, copied once. Attention reads the
-views in place (the kernel takes a cache's strides).
+DynamicLayer.update concatenates, so every decode step would copy each layer's whole cache. A
+GrowingLayer keeps its keys and values as views of the first columns of a larger tensor it
+allocated (its room), sized for the sequence's prompt plus max_tokens when the runner reserves it,
+and writes each step's columns into it.
 
-A layer writes only into room it allocated or was handed as room (build_cache's `length`): tensors
-handed over as they are (a stored prefix's slices) are copied into new room at the first append, so
-what was handed in is never written.
+A layer writes only into room it allocated: tensors handed over as they are (a stored prefix's
+slices, views of a read-only mapping) are copied into new room at the first append, so what was
+handed in is never written.
 
 Caches are read and built through DynamicLayer's `keys`, `values` and `lazy_initialization`:
 transformers has no public call that builds a cache from tensors without copying them (its
 `DynamicCache(ddp_cache_data)` goes through `update`). Those internals change between releases;
-tests/test_prefixes.py pins them, so an upgrade that moves them fails there first.
+tests/test_kvcache.py pins them, so an upgrade that moves them fails there first.
 """
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-# Columns a layer allocates beyond what it holds: a full room is copied once every ROOM_TOKENS
-# appended tokens at most, and a running sequence holds at most this many unused columns in each
-# layer (3 MiB in all for Qwen2.5-0.5B).
+# Columns a layer allocates beyond what it holds when it outgrows its room (which a reserved
+# sequence never does): room is copied once every ROOM_TOKENS appended tokens at most.
 ROOM_TOKENS = 256
 
 
@@ -33,15 +32,8 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self._room: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Columns the first room holds at least: a prompt's length, so its pass allocates once.
+        # Columns the first room holds at least: the sequence's prompt plus max_tokens (its reservation).
         self.reserved_tokens = 0
-
-    def adopt(self, keys_room: torch.Tensor, values_room: torch.Tensor, length: int) -> None:
-        """Hold the first `length` columns of tensors the layer may write into from column `length` on."""
-        self.lazy_initialization(keys_room, values_room)
-        self._room = (keys_room, values_room)
-        self.keys, self.values = keys_room.narrow(2, 0, length), values_room.narrow(2, 0, length)
-        self._handed = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new columns in place (allocating new room when there is none or it is full)."""
@@ -93,25 +85,15 @@ def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def build_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int | None = None) -> DynamicCache:
-    """Build a cache that holds the given per-layer keys and values, without copying them.
-
-    DynamicCache.update would copy each tensor once more (it concatenates onto an empty one), and
-    a batch join or leave already made fresh tensors while every running stream waits. Given
-    `length`, the tensors are room the cache owns from then on: it holds their first `length`
-    columns and appends after them. Without it they are never written: the first append copies
-    them into room of the cache's own.
-    """
+def build_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """Build a cache that holds the given per-layer keys and values without copying them; its first
+    append copies them into room of its own, so they are never written."""
     cache = new_cache(config)
     for index, (keys, values) in enumerate(layers):
         layer = cache.layers[index] if index < len(cache.layers) else None
         if type(layer) is GrowingLayer:
-            if length is None:
-                layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values
-            else:
-                layer.adopt(keys, values, length)
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
         else:  # sliding-window and other layers trim what they keep: let them
-            cache.update(keys if length is None else keys[:, :, :length],
-                         values if length is None else values[:, :, :length], index)
+            cache.update(keys, values, index)
     return cache

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from .attention import ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def load_model(model_dir: Path, dtype: torch.dtype):
     """Build the model without allocating weights, then point its parameters at the mapped files."""
     config = AutoConfig.from_pretrained(model_dir)
     with _BUILDING, torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     state = {}
     for path in safetensors_files(model_dir):
         state.update(map_safetensors(path))

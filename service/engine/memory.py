@@ -1,12 +1,16 @@
-"""What bounds a worker's memory: the KV token budget, and giving back what glibc keeps freed."""
+"""What bounds a worker's memory: the KV budget in pages, and giving back what glibc keeps freed."""
 
 import ctypes
 import ctypes.util
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 MIB = 1024 * 1024
+# Tokens of KV state per page, the unit a sequence's room is counted (and, on the paged path,
+# stored) in; kernels.h's kPageTokens, which kvpool.PagePool checks it against.
+PAGE_TOKENS = 64
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -17,9 +21,28 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
-def kv_token_budget(kv_cache_mb: int, bytes_per_token: int) -> int:
-    """Return how many cached tokens, padding included, fit in kv_cache_mb MiB."""
-    return kv_cache_mb * MIB // bytes_per_token
+@dataclass(frozen=True)
+class KVBudget:
+    """A worker's KV memory (KV_CACHE_MB) as whole pages of PAGE_TOKENS tokens."""
+
+    pages: int
+    page_bytes: int
+
+    @classmethod
+    def of(cls, kv_cache_mb: int, bytes_per_token: int) -> "KVBudget":
+        """Return the pages that fit in kv_cache_mb MiB."""
+        page_bytes = PAGE_TOKENS * bytes_per_token
+        return cls(pages=kv_cache_mb * MIB // page_bytes, page_bytes=page_bytes)
+
+    @property
+    def tokens(self) -> int:
+        """Return the most tokens one sequence can hold: every page."""
+        return self.pages * PAGE_TOKENS
+
+
+def pages_for(tokens: int) -> int:
+    """Return the pages that hold `tokens` tokens."""
+    return -(-tokens // PAGE_TOKENS)
 
 
 def most_tokens(generation) -> int:
@@ -27,13 +50,9 @@ def most_tokens(generation) -> int:
     return len(generation.prompt_ids) + generation.params.max_tokens
 
 
-def reserved_kv_tokens(generations) -> int:
-    """Return the cache tokens a set of generations may reach when decoded as one batch.
-
-    The batch left-pads every row to its longest, so each row costs as much as the longest
-    sequence will: rows times the largest prompt plus max_tokens.
-    """
-    return len(generations) * max((most_tokens(generation) for generation in generations), default=0)
+def pages_needed(generation) -> int:
+    """Return the pages a generation reserves when it starts: its most tokens, for each of its choices."""
+    return pages_for(most_tokens(generation)) * generation.places
 
 
 @lru_cache(maxsize=1)

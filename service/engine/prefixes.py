@@ -15,19 +15,18 @@ user can write could hand workers forged keys and values, so one that is not pri
 """
 
 import hashlib
+import json
 import logging
 import os
 import stat
+import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import DynamicCache
-
-from .kvcache import build_cache, cache_layers
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +68,56 @@ def touch(path: Path) -> None:
         pass  # evicted meanwhile: a mapping a reader holds stays whole
 
 
+def kv_shape(config, tokens: int) -> tuple[int, int, int, int]:
+    """Return the shape of one layer's keys (and values) of `tokens` tokens: [1, kv_heads, tokens, head_dim]."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 1, getattr(config, "num_key_value_heads", None) or heads, tokens, head_dim
+
+
+# safetensors' names of the dtypes a KV state is kept in.
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Return the bytes of a tensor of a shape and dtype."""
+    count = dtype.itemsize
+    for size in shape:
+        count *= size
+    return count
+
+
+def write_sequence(path: Path, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                   layers: Iterable[tuple[torch.Tensor, torch.Tensor]], layer_count: int) -> None:
+    """Write a sequence as a safetensors file (ids, then keys.N and values.N per layer), a layer at a time.
+
+    safetensors' own writers take every tensor at once, which would hold a second copy of the
+    sequence's whole KV state; the format is a little-endian header length, a JSON header and the
+    tensors' bytes in its order, so it is written here as it comes.
+    """
+    header, offset = {}, 0
+    for name, stored_dtype, size in [("ids", "I32", ids.nbytes)] + [
+            (f"{part}.{index}", SAFETENSORS_DTYPES[dtype], shape_bytes(shape, dtype)) for index in range(layer_count)
+            for part in ("keys", "values")]:
+        header[name] = {"dtype": stored_dtype, "shape": list(ids.shape) if name == "ids" else list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    written = 0
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        file.write(ids.numpy().data)
+        for keys, values in layers:
+            for tensor in (keys, values):
+                if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                    raise ValueError(f"a layer's KV state is {tuple(tensor.shape)} {tensor.dtype}, not {shape} {dtype}")
+                file.write(tensor.contiguous().view(torch.uint8).numpy().data)
+            written += 1
+    if written != layer_count:
+        raise ValueError(f"{written} layers of KV state given, {layer_count} expected")
+
+
 @dataclass
 class _Entry:
     """One stored sequence as a reader maps it."""
@@ -81,8 +130,9 @@ class _Entry:
 class PrefixStore:
     """Stored sequences' KV state, shared by the workers of a host, capped in bytes for the folder."""
 
-    def __init__(self, config, capacity_bytes: int, root: Path, model_key: str):
+    def __init__(self, config, capacity_bytes: int, root: Path, model_key: str, dtype: torch.dtype = torch.bfloat16):
         self.config = config
+        self.dtype = dtype
         self.capacity_bytes = capacity_bytes
         self.root = root
         self.folder = root / model_key
@@ -91,13 +141,15 @@ class PrefixStore:
         self.bytes = 0
         self._entries: dict[str, _Entry] = {}
 
-    def lookup(self, prompt_ids: list[int]) -> tuple[DynamicCache | None, int]:
-        """Return a cache holding the longest stored prefix of the prompt, and its length.
+    def lookup(self, prompt_ids: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """Return every layer's keys and values of the longest stored prefix of the prompt, and its length.
 
-        At least the prompt's last token is left out, since its logits are what the prompt pass is for.
+        The tensors are views of a read-only mapping, [1, kv_heads, tokens, head_dim], at least as
+        long as the prefix; the caller copies what it needs. At least the prompt's last token is
+        left out, since its logits are what the prompt pass is for.
         """
         if not self.enabled or len(prompt_ids) < 2:
-            return None, 0
+            return [], 0
         self._refresh()
         prompt = torch.tensor(prompt_ids, dtype=torch.int32)
         best, best_length = None, 0
@@ -107,17 +159,15 @@ class PrefixStore:
                 best, best_length = entry, length
         best_length = min(best_length, len(prompt_ids) - 1)
         if best is None or best_length <= 0:
-            return None, 0
+            return [], 0
         touch(best.path)
-        layers = [(best.file.get_tensor(f"keys.{index}")[:, :, :best_length],
-                   best.file.get_tensor(f"values.{index}")[:, :, :best_length])
+        layers = [(best.file.get_tensor(f"keys.{index}"), best.file.get_tensor(f"values.{index}"))
                   for index in range(self.config.num_hidden_layers)]
-        # Views of a read-only mapping, never written: the sequence's first append copies them
-        # into room of its own (kvcache.py).
-        return build_cache(self.config, layers), best_length
+        return layers, best_length
 
-    def store(self, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep the KV state of a sequence for every worker (each layer's keys and values hold exactly `ids`)."""
+    def store(self, ids: list[int], layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep the KV state of a sequence for every worker: each layer's keys and values, [1, kv_heads,
+        len(ids), head_dim], taken from `layers` one at a time (so no more than one is ever copied)."""
         if not self.enabled or len(ids) < 2:
             return
         key = torch.tensor(ids, dtype=torch.int32)
@@ -126,30 +176,23 @@ class PrefixStore:
         if path.exists():
             touch(path)
             return
-        size = key.nbytes + sum(keys.nbytes + values.nbytes for keys, values in layers)
+        shape = kv_shape(self.config, len(ids))
+        size = key.nbytes + 2 * self.config.num_hidden_layers * shape_bytes(shape, self.dtype)
         if size > self.capacity_bytes:
             return
         if not self.folder.is_dir() and not (private_folder(self.root) and private_folder(self.folder)):
             return  # the folder was removed (a tmpfs cleaned up) and cannot be made again
-        tensors = {"ids": key}
-        for index, (keys, values) in enumerate(layers):
-            tensors[f"keys.{index}"] = keys.contiguous()
-            tensors[f"values.{index}"] = values.contiguous()
         partial = path.with_name(f".{name}.{os.getpid()}.partial")
         try:
-            save_file(tensors, partial)
+            write_sequence(partial, key, shape, self.dtype, layers, self.config.num_hidden_layers)
             os.replace(partial, path)
             touch(path)
-        except OSError as exc:  # a full tmpfs: this sequence is not kept, serving goes on
+        except (OSError, ValueError) as exc:  # a full tmpfs: this sequence is not kept, serving goes on
             log.warning("a sequence's KV state could not be stored: %s", exc)
             partial.unlink(missing_ok=True)
             return
         self._drop_extended(key)
         self._evict()
-
-    def store_cache(self, ids: list[int], cache: DynamicCache) -> None:
-        """Keep the KV state a one-row cache holds (exactly `ids`)."""
-        self.store(ids, cache_layers(cache))
 
     def _refresh(self) -> None:
         """Map the files other workers stored since the last look; forget the ones evicted."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
+from .qwen2 import LeanModel
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS, apply_quantized
 
 
@@ -14,6 +15,8 @@ class PreparedModel:
 
     weight_format: str
     forward: str
+    # What the lean forward runs, for the models it serves (runners.PagedModel); None runs transformers'.
+    lean: LeanModel | None = None
     kernel_paths: str | None = None
     quantization: str | None = None
     converted_weights: str | None = None
@@ -23,9 +26,9 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
                   between_layers: Callable[[], object] | None = None) -> PreparedModel:
     """Ready a loaded model for its DTYPE; return what was decided, `weight_format` among it.
 
-    int8 and int4 swap in QuantizedLinear layers; they and bfloat16 attend with corechat's kernel
-    and, for Qwen2-family models, run the lean forward (qwen2.py), so the kernels are loaded for
-    all three. float32 runs transformers' own code only. weight_format names what decides the
+    int8 and int4 swap in QuantizedLinear layers; they and bfloat16 run the lean forward (qwen2.py)
+    with corechat's attention kernel for Qwen2-family models, so the kernels are loaded for all
+    three. float32, and models the lean forward does not serve, run transformers' own forward. weight_format names what decides the
     replies' bits, so hosts that differ in it never share cached replies. between_layers runs
     before every decoder layer of every forward (the engine's core sharing, cores.py).
     """
@@ -39,11 +42,12 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
     if fmt is not None:
         converted_weights = str(apply_quantized(model, fmt, model_dir, converted_dir, fingerprint))
         quantization = f"{fmt.description}, {ACTIVATIONS}"
-    lean = qwen2.install(model, between_layers)
-    if not lean:
+    lean = qwen2.lean_model(model, between_layers)
+    if lean is None:
         call_between_layers(model, between_layers)
     return PreparedModel(weight_format=f"{dtype}:v{FORMAT_VERSION}", forward="lean" if lean else "transformers",
-                         kernel_paths=kernel_paths, quantization=quantization, converted_weights=converted_weights)
+                         lean=lean, kernel_paths=kernel_paths, quantization=quantization,
+                         converted_weights=converted_weights)
 
 
 def call_between_layers(model, between_layers: Callable[[], object] | None) -> None:

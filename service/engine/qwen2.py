@@ -1,45 +1,30 @@
 """A lean forward for Qwen2-family models: transformers' operations, without its module machinery.
 
-A decode step of the 0.5B model spent about a quarter of its time in Python outside any operator
-(transformers' module calls, decorators, keyword plumbing, mask building; bench/step_probe.py).
-This forward calls the products and the attention kernel directly, and serves the engine's two
-kinds of call: a prompt chunk of one sequence, and a decode step of one token per row with
-`row_starts`; anything else (a batch of padded prompts) goes to transformers' forward. It keeps
-transformers' DynamicCache (with kvcache.py's layers, which append in place), so the prefix store
-and the batch joins work unchanged.
+A decode step through transformers' modules spends much of its time in Python outside any
+operator (module calls, decorators, keyword plumbing, mask building; bench/step_probe.py). This
+forward calls the products and the attention kernel directly over rows of tokens: a prompt chunk
+of one sequence, or one token of each sequence of a decode step. Each row's keys and values go
+into its sequence's pages of the worker's pool (kvpool.py) and it attends to its own sequence's
+positions up to its own (kernels.h: PagedAttention), so a row's result depends neither on the
+other rows nor on how its prompt was cut.
 
 Quantized models (int8, int4) run each decoder layer as three fused operators (kernels/csrc/
 layer.cpp: the norm, products and rotary before attention; the rest after it), the same arithmetic
 as transformers' except RMSNorm's mean, which the kernel sums in its own fixed order. bfloat16
-models run transformers' operations one by one, so their logits are transformers' bits.
+models run transformers' operations one by one around the attention kernel.
 """
 
-import functools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention import attention_by_rows, kernel_cache, row_spans
 from .quantized import QuantizedLinear
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
-
-
-def install(model, between_layers: Callable[[], object] | None = None) -> bool:
-    """Give a bf16 Qwen2-family model the lean forward, calling between_layers before each decoder
-    layer; return whether it got it."""
-    config = model.config
-    if (type(model).__name__ not in ARCHITECTURES or model.dtype != torch.bfloat16
-            or getattr(config, "use_sliding_window", False) or config.hidden_act != "silu"
-            or not hasattr(torch.ops.corechat, "attention")):
-        return False
-    model.forward = types.MethodType(
-        functools.partial(lean_forward, between_layers=between_layers, fused=fused_layers(model)), model)
-    return True
+# Head sizes the attention kernel takes.
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -96,52 +81,89 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
     return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
 
 
-def lean_forward(model, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=True,
-                 logits_to_keep=0, row_starts=None, between_layers=None, fused=None, **kwargs):
-    """Run Qwen2ForCausalLM.forward's operations for one prompt chunk or one decode step of a batch."""
-    batch, length = input_ids.shape
-    # The attention kernel's calls (attention.kernel_applies): one sequence, or single tokens with starts.
-    by_rows = batch == 1 or (length == 1 and row_starts is not None)
-    if cache is None or not use_cache or kwargs or not by_rows:
-        return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                                   row_starts=row_starts, **kwargs)
+@dataclass(frozen=True)
+class LeanModel:
+    """A model the lean forward runs: the model, its fused layers if quantized, and the hook between layers."""
+
+    model: torch.nn.Module
+    fused: list[FusedLayer] | None
+    between_layers: Callable[[], object] | None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Return (layers, kv_heads, head_dim), the shape of its pages in the pool."""
+        attention = self.model.model.layers[0].self_attn
+        config = self.model.config
+        return config.num_hidden_layers, config.num_key_value_heads, attention.head_dim
+
+
+def lean_model(model, between_layers: Callable[[], object] | None = None) -> LeanModel | None:
+    """Return a bf16 or quantized Qwen2-family model as the lean forward runs it, or None if it cannot."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if (type(model).__name__ not in ARCHITECTURES or model.dtype != torch.bfloat16
+            or getattr(config, "use_sliding_window", False) or config.hidden_act != "silu"
+            or head_dim not in HEAD_DIMS or not hasattr(torch.ops.corechat, "paged_attention")):
+        return None
+    return LeanModel(model, fused_layers(model), between_layers)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a forward's rows go: each row's table (into `tables`) and position in its sequence."""
+
+    tables: torch.Tensor  # [sequences, pages] int64
+    sequences: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+
+
+def lean_forward(lean: LeanModel, token_ids: torch.Tensor, rows: Rows, pool: torch.Tensor, keep_last: int) -> torch.Tensor:
+    """Run Qwen2ForCausalLM's operations over rows of tokens; return the logits of the last `keep_last`
+    rows (0: every row), float32 [kept, vocabulary]."""
+    model = lean.model
     inner = model.model
-    if position_ids is None:
-        past = cache.get_seq_length()
-        position_ids = torch.arange(past, past + length).unsqueeze(0)
-    hidden = F.embedding(input_ids, inner.embed_tokens.weight)
-    cos, sin = inner.rotary_emb(hidden, position_ids)
+    hidden = F.embedding(token_ids, inner.embed_tokens.weight)
+    cos, sin = inner.rotary_emb(hidden, rows.positions.unsqueeze(0))
+    cos, sin = cos[0], sin[0]
     layers = inner.layers[: model.config.num_hidden_layers]
-    if fused is not None:
-        hidden = fused_decoder(hidden, cos, sin, layers, fused, cache, row_starts, between_layers)
+    if lean.fused is not None:
+        hidden = fused_decoder(hidden, cos, sin, layers, lean, rows, pool)
+        hidden = norm_rows(hidden, inner.norm)
     else:
-        hidden = decoder(hidden, cos, sin, layers, cache, row_starts, between_layers)
-    hidden = rms_norm(hidden, inner.norm) if fused is None else norm_rows(hidden, inner.norm)
-    kept = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
-    return CausalLMOutputWithPast(logits=product(model.lm_head, kept), cache=cache)
+        hidden = decoder(hidden, cos, sin, layers, lean, rows, pool)
+        hidden = rms_norm(hidden, inner.norm)
+    kept = hidden[-keep_last:] if keep_last else hidden
+    return product(model.lm_head, kept).float()
 
 
-def decoder(hidden, cos, sin, layers, cache, row_starts, between_layers) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, layer: int, rows: Rows,
+           head_dim: int, scaling: float) -> torch.Tensor:
+    """Store the rows' keys and values in the pool and attend: [rows, heads * head_dim] in, [rows, heads * head_dim] out."""
+    count = query.shape[0]
+    attended = torch.ops.corechat.paged_attention(
+        query.view(count, -1, head_dim), key.view(count, -1, head_dim), value.view(count, -1, head_dim), pool, layer,
+        rows.tables, rows.sequences, rows.positions, scaling)
+    return attended.view(count, -1)
+
+
+def decoder(hidden, cos, sin, layers, lean: LeanModel, rows: Rows, pool: torch.Tensor) -> torch.Tensor:
     """Run the decoder layers with transformers' operations, one by one."""
-    batch, length, _ = hidden.shape
+    count = hidden.shape[0]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     head_dim = layers[0].self_attn.head_dim
     for index, layer in enumerate(layers):
-        if between_layers is not None:
-            between_layers()
+        if lean.between_layers is not None:
+            lean.between_layers()
         attention = layer.self_attn
         residual = hidden
         states = rms_norm(hidden, layer.input_layernorm)
-        shape = (batch, length, -1, head_dim)
-        query = product(attention.q_proj, states).view(shape).transpose(1, 2)
-        key = product(attention.k_proj, states).view(shape).transpose(1, 2)
-        value = product(attention.v_proj, states).view(shape).transpose(1, 2)
+        query = product(attention.q_proj, states).view(count, -1, head_dim)
+        key = product(attention.k_proj, states).view(count, -1, head_dim)
+        value = product(attention.v_proj, states)
         query = (query * cos) + (rotate_half(query) * sin)
         key = (key * cos) + (rotate_half(key) * sin)
-        keys, values = cache.update(key, value, index)
-        attended = attention_by_rows(query, keys, values, attention.scaling, row_starts)
-        hidden = residual + product(attention.o_proj, attended.reshape(batch, length, -1).contiguous())
+        attended = attend(query, key, value, pool, index, rows, head_dim, attention.scaling)
+        hidden = residual + product(attention.o_proj, attended)
         residual = hidden
         states = rms_norm(hidden, layer.post_attention_layernorm)
         mlp = layer.mlp
@@ -149,30 +171,20 @@ def decoder(hidden, cos, sin, layers, cache, row_starts, between_layers) -> torc
     return hidden
 
 
-def fused_decoder(hidden, cos, sin, layers, fused: list[FusedLayer], cache, row_starts, between_layers) -> torch.Tensor:
-    """Run quantized decoder layers as the fused operators: three calls and a cache append per layer."""
-    batch, length, width = hidden.shape
-    tokens = batch * length
+def fused_decoder(hidden, cos, sin, layers, lean: LeanModel, rows: Rows, pool: torch.Tensor) -> torch.Tensor:
+    """Run quantized decoder layers as the fused operators: three calls per layer."""
     head_dim = layers[0].self_attn.head_dim
     scaling = layers[0].self_attn.scaling
-    hidden = hidden.view(tokens, width)
-    cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
-    spans = None
-    for index, arguments in enumerate(fused):
-        if between_layers is not None:
-            between_layers()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    for index, arguments in enumerate(lean.fused):
+        if lean.between_layers is not None:
+            lean.between_layers()
         query, key, value = torch.ops.corechat.attention_inputs(hidden, *arguments.attention, cos, sin, head_dim)
-        keys, values = cache.update(key.view(batch, length, -1, head_dim).transpose(1, 2),
-                                    value.view(batch, length, -1, head_dim).transpose(1, 2), index)
-        if spans is None:
-            spans = row_spans(batch, length, keys.shape[2], row_starts)
-        attended = torch.ops.corechat.attention(query.view(tokens, -1, head_dim), *kernel_cache(keys, values),
-                                                *spans, scaling)
-        hidden = torch.ops.corechat.mlp(hidden, attended.view(tokens, -1), *arguments.mlp)
-    return hidden.view(batch, length, width)
+        attended = attend(query, key, value, pool, index, rows, head_dim, scaling)
+        hidden = torch.ops.corechat.mlp(hidden, attended, *arguments.mlp)
+    return hidden
 
 
 def norm_rows(hidden: torch.Tensor, norm) -> torch.Tensor:
     """The fused path's RMSNorm (kernels/csrc/layer.cpp) over the last dimension."""
-    width = hidden.shape[-1]
-    return torch.ops.corechat.rms_norm(hidden.reshape(-1, width), norm.weight, norm.variance_epsilon).view(hidden.shape)
+    return torch.ops.corechat.rms_norm(hidden, norm.weight, norm.variance_epsilon)

@@ -101,11 +101,8 @@ def virtualenv_dir() -> Path:
 def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list[list[str]], list[str]]:
     """Return the compile command of each object file and the link command."""
     torch_dir = Path(torch.__file__).resolve().parent
-    best = sets[-1].compiler_flags if sets else ()
     units = [(name, ()) for name in BASELINE_SOURCES]
     units += [(isa.source, isa.compiler_flags) for isa in sets]
-    # Plain lane-wise C++ gives the same bits whatever it is vectorized for: build it for the best.
-    units.append(("attention.cpp", best))
     defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]

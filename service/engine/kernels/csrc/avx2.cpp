@@ -9,3 +9,7 @@
 #define CORECHAT_INT4_MANY_ROWS_OUTPUTS 2
 #define CORECHAT_INT4_MANY_ROWS 4
 #include "matmul_x86.inc"
+
+#include "lanes_avx2.h"
+#define CORECHAT_ATTEND attend_avx2
+#include "attention.inc"

@@ -10,3 +10,7 @@
 #define CORECHAT_INT4_MANY_ROWS_OUTPUTS 4
 #define CORECHAT_INT4_MANY_ROWS 4
 #include "matmul_x86.inc"
+
+#include "lanes_avx512.h"
+#define CORECHAT_ATTEND attend_avx512
+#include "attention.inc"

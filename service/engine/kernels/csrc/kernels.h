@@ -17,6 +17,7 @@
 // of 8 blocks per row (padded_blocks), so SIMD code reads them 8 at a time without a tail.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -85,27 +86,38 @@ void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Outp
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, float* corrections, int64_t cols);
 
-// Attention by query rows: row r attends to columns [starts[r], ends[r]) of cache row
-// cache_rows[r], and nothing else, in one fixed order. A decode step is one row per sequence over
-// its own span of the left-padded batch cache (the padding never enters its sums); a prompt pass
-// is one row per token over the keys up to its own position; either way a token's output is
-// the same bits. bfloat16 in and out, float32 inside.
-struct AttentionTask {
-    const uint16_t* query;       // [rows, heads, dim], strides below
-    const uint16_t* keys;        // [cache rows, kv_heads, width, dim], strides below (a token's dim contiguous)
-    const uint16_t* values;      // as keys, the same strides
-    const int64_t* cache_rows;   // [rows]
-    const int64_t* starts;       // [rows]
-    const int64_t* ends;         // [rows]
-    uint16_t* output;            // [rows, heads, dim], contiguous
+// Paged attention: every running sequence's keys and values live in pages of one pool, a table
+// per sequence listing its pages in order. The pool is [pages][layers][2][kv_heads][kPageTokens *
+// dim] bfloat16: a layer's keys of a kv head hold element d of the page's token t at d *
+// kPageTokens + t (keys of 16 tokens side by side, which the score loop reads as one vector), its
+// values token t's vector at t * dim. A row (a query token) is written into its sequence's pages
+// at its position, then attends to positions [0, position] in one fixed order (attention.inc).
+constexpr int64_t kPageTokens = 64;
+constexpr int64_t kKeyBlock = 16;
+static_assert(kPageTokens % kKeyBlock == 0, "a key block never straddles two pages");
+
+struct PagedAttention {
+    const uint16_t* query;      // [rows, heads, dim], strides below, dim contiguous
     int64_t query_row_stride, query_head_stride;
-    int64_t cache_row_stride, cache_head_stride;
-    int64_t heads, kv_heads, dim;
+    const uint16_t* pool;
+    int64_t page_stride;        // elements from one page to the next
+    int64_t keys_offset;        // elements from a page's start to this layer's keys, values
+    int64_t values_offset;
+    const int64_t* tables;      // [sequences, table_width] page numbers
+    int64_t table_width;
+    const int64_t* row_sequences;  // [rows] a row's table
+    const int64_t* positions;   // [rows] a row's position in its sequence
+    uint16_t* output;           // [rows, heads, dim], contiguous
+    int64_t rows, heads, kv_heads, dim;
     float scale;
 };
 
-// Attend for (row, kv head) pairs [begin, end), numbered row * kv_heads + kv_head.
-void attend(const AttentionTask& task, int64_t begin, int64_t end);
+// Attend for (kv head, row) pairs [begin, end), numbered kv_head * rows + row; each path gives
+// the reference's bits.
+using AttendKernel = void (*)(const PagedAttention& task, int64_t begin, int64_t end);
+void attend_reference(const PagedAttention&, int64_t, int64_t);
+void attend_avx2(const PagedAttention&, int64_t, int64_t);
+void attend_avx512(const PagedAttention&, int64_t, int64_t);
 
 inline float bfloat16_to_float(uint16_t bits) {
     uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -159,5 +171,45 @@ inline void store_output(Output out, int64_t row, int64_t column, float value) {
         static_cast<float*>(out.data)[row * out.stride + column] = value;
     }
 }
+
+namespace {
+
+// The 16 lanes of attention.inc added in one fixed tree: lanes i and i + 8 first, then as sum_lanes.
+inline float sum_sixteen(const float lanes[16]) {
+    float halves[8];
+    for (int i = 0; i < 8; ++i) halves[i] = lanes[i] + lanes[i + 8];
+    return sum_lanes(halves);
+}
+
+// The largest of 16 lanes, compared in order as the SIMD max instructions compare (a NaN lane is
+// taken when it comes second).
+inline float largest_of_sixteen(const float lanes[16]) {
+    float largest = lanes[0];
+    for (int i = 1; i < 16; ++i) largest = largest > lanes[i] ? largest : lanes[i];
+    return largest;
+}
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp. Every path
+// runs these operations in this order; a NaN stays NaN.
+inline float exp_nonpositive_lane(float x) {
+    constexpr float kMagic = 12582912.0f;  // adding and subtracting 1.5 * 2^23 rounds half to even
+    x = -87.0f > x ? -87.0f : x;
+    const float whole = (x * 1.44269504088896341f + kMagic) - kMagic;
+    x = x - whole * 0.693359375f;
+    x = x - whole * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = std::fma(y, x, 1.3981999507e-3f);
+    y = std::fma(y, x, 8.3334519073e-3f);
+    y = std::fma(y, x, 4.1665795894e-2f);
+    y = std::fma(y, x, 1.6666665459e-1f);
+    y = std::fma(y, x, 5.0000001201e-1f);
+    y = std::fma(y, x * x, x) + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+    float power;
+    std::memcpy(&power, &bits, sizeof power);
+    return y * power;
+}
+
+}  // namespace
 
 }  // namespace corechat

@@ -1,10 +1,11 @@
-// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .attention and .paths. Each output column (and each attention row) is computed whole by one thread, so the
+// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .paged_attention, .page_layout and .paths. Each output column (and each attention row) is computed whole by one thread, so the
 // thread count never changes a result either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -130,48 +131,115 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
 
 namespace {
 
-at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                       const at::Tensor& cache_rows, const at::Tensor& starts, const at::Tensor& ends, double scale) {
-    TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-                "query must be [rows, heads, dim], keys and values [cache rows, kv_heads, width, dim]");
-    TORCH_CHECK(query.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-                values.scalar_type() == at::kBFloat16, "attention runs on bfloat16");
-    const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
-    const int64_t cache_count = keys.size(0), kv_heads = keys.size(1), width = keys.size(2);
-    TORCH_CHECK(keys.size(3) == dim && heads % kv_heads == 0 && dim % 8 == 0, "query and cache shapes disagree");
-    // A cache may be a view of the first columns of a larger tensor (kvcache.py's room): each
-    // token's vector must be contiguous, the rows and heads may be any stride apart.
-    TORCH_CHECK(query.stride(2) == 1 && keys.stride(3) == 1 && keys.stride(2) == dim && values.strides() == keys.strides(),
-                "each token's keys and values must be contiguous (with the same strides), the query's last dimension too");
-    for (const at::Tensor* index : {&cache_rows, &starts, &ends})
-        TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->numel() == rows,
-                    "cache_rows, starts and ends must be int64 [rows]");
-    const int64_t* cache_row = cache_rows.const_data_ptr<int64_t>();
-    const int64_t* first = starts.const_data_ptr<int64_t>();
-    const int64_t* last = ends.const_data_ptr<int64_t>();
-    for (int64_t row = 0; row < rows; ++row) {
-        TORCH_CHECK(cache_row[row] >= 0 && cache_row[row] < cache_count, "row ", row, " names no cache row");
-        TORCH_CHECK(first[row] >= 0 && first[row] < last[row] && last[row] <= width, "row ", row, " has no key to attend to");
+AttendKernel select_attend(int64_t requested) {
+    static const std::vector<Path> paths = available_paths();
+    Path path = requested == kBest ? paths.back() : static_cast<Path>(requested);
+    TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "corechat kernel path ",
+                path_name(path), " is not built or not supported by this CPU");
+    switch (path) {
+#ifdef CORECHAT_WITH_AVX512_VNNI
+        case kAvx512Vnni: return attend_avx512;
+#endif
+#ifdef CORECHAT_WITH_AVX2
+        case kAvx2: return attend_avx2;
+#endif
+        default: return attend_reference;
     }
-    at::Tensor output = at::empty({rows, heads, dim}, query.options());
-    AttentionTask task{
-        reinterpret_cast<const uint16_t*>(query.const_data_ptr()),
-        reinterpret_cast<const uint16_t*>(keys.const_data_ptr()),
-        reinterpret_cast<const uint16_t*>(values.const_data_ptr()),
-        cache_row, first, last,
-        reinterpret_cast<uint16_t*>(output.data_ptr()),
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), heads, kv_heads, dim, static_cast<float>(scale)};
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) { attend(task, begin, end); });
+}
+
+void check_bfloat16_rows(const at::Tensor& tensor, int64_t rows, int64_t heads, int64_t dim, const char* name) {
+    TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
+    TORCH_CHECK(tensor.dim() == 3 && tensor.size(0) == rows && tensor.size(1) == heads && tensor.size(2) == dim &&
+                tensor.stride(2) == 1, name, " must be [", rows, ", ", heads, ", ", dim, "] with each vector contiguous");
+}
+
+void check_index(const at::Tensor& tensor, int64_t rows, const char* name) {
+    TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == at::kLong && tensor.is_contiguous() &&
+                tensor.dim() == 1 && tensor.numel() == rows, name, " must be a contiguous int64 CPU vector of ", rows);
+}
+
+// Write each row's key and value vectors into its sequence's page at its position.
+void write_rows(const PagedAttention& task, const at::Tensor& keys, const at::Tensor& values, int64_t begin,
+                int64_t end) {
+    const int64_t dim = task.dim;
+    const uint16_t* new_keys = reinterpret_cast<const uint16_t*>(keys.const_data_ptr());
+    const uint16_t* new_values = reinterpret_cast<const uint16_t*>(values.const_data_ptr());
+    uint16_t* pool = const_cast<uint16_t*>(task.pool);
+    for (int64_t row = begin; row < end; ++row) {
+        const int64_t position = task.positions[row];
+        const int64_t page = task.tables[task.row_sequences[row] * task.table_width + position / kPageTokens];
+        const int64_t in_page = position % kPageTokens;
+        for (int64_t kv_head = 0; kv_head < task.kv_heads; ++kv_head) {
+            const uint16_t* key = new_keys + row * keys.stride(0) + kv_head * keys.stride(1);
+            const uint16_t* value = new_values + row * values.stride(0) + kv_head * values.stride(1);
+            uint16_t* key_slot = pool + page * task.page_stride + task.keys_offset + kv_head * kPageTokens * dim + in_page;
+            uint16_t* value_slot = pool + page * task.page_stride + task.values_offset + kv_head * kPageTokens * dim +
+                                   in_page * dim;
+            for (int64_t d = 0; d < dim; ++d) key_slot[d * kPageTokens] = key[d];
+            std::memcpy(value_slot, value, dim * sizeof(uint16_t));
+        }
+    }
+}
+
+// torch.ops.corechat.paged_attention: write each row's keys and values into the pool, then attend
+// (kernels.h: PagedAttention); [rows, heads, dim] out.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, at::Tensor& pool,
+                           int64_t layer, const at::Tensor& tables, const at::Tensor& row_sequences,
+                           const at::Tensor& positions, double scale, int64_t path) {
+    TORCH_CHECK(query.dim() == 3, "query must be [rows, heads, dim]");
+    const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+    TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kBFloat16 && pool.is_contiguous() && pool.dim() == 5 &&
+                pool.size(2) == 2, "pool must be a contiguous bfloat16 CPU tensor [pages, layers, 2, kv_heads, ",
+                kPageTokens, " * dim]");
+    const int64_t pages = pool.size(0), layers = pool.size(1), kv_heads = pool.size(3);
+    TORCH_CHECK(rows > 0 && kv_heads > 0 && heads > 0 && heads % kv_heads == 0, "heads (", heads,
+                ") must be a positive multiple of kv_heads (", kv_heads, ") and rows (", rows, ") positive");
+    TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256, "head dim must be 16, 32, 64, 128 or 256, not ", dim);
+    TORCH_CHECK(pool.size(4) == kPageTokens * dim, "the pool's pages must hold ", kPageTokens, " tokens of dim ", dim);
+    TORCH_CHECK(layer >= 0 && layer < layers, "layer ", layer, " is not in the pool's ", layers);
+    check_bfloat16_rows(query, rows, heads, dim, "query");
+    check_bfloat16_rows(keys, rows, kv_heads, dim, "keys");
+    check_bfloat16_rows(values, rows, kv_heads, dim, "values");
+    TORCH_CHECK(tables.device().is_cpu() && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2,
+                "tables must be a contiguous int64 CPU matrix [sequences, pages per sequence]");
+    check_index(row_sequences, rows, "row_sequences");
+    check_index(positions, rows, "positions");
+    const int64_t sequences = tables.size(0), width = tables.size(1);
+    const int64_t *table_data = tables.const_data_ptr<int64_t>(), *sequence = row_sequences.const_data_ptr<int64_t>(),
+                  *position = positions.const_data_ptr<int64_t>();
+    for (int64_t row = 0; row < rows; ++row) {
+        TORCH_CHECK(sequence[row] >= 0 && sequence[row] < sequences, "row ", row, " names no table");
+        TORCH_CHECK(position[row] >= 0 && position[row] / kPageTokens < width, "row ", row, "'s position ",
+                    position[row], " is outside its table of ", width, " pages");
+        for (int64_t index = 0; index <= position[row] / kPageTokens; ++index) {
+            const int64_t page = table_data[sequence[row] * width + index];
+            TORCH_CHECK(page >= 0 && page < pages, "row ", row, "'s table names page ", page, " of ", pages);
+        }
+    }
+    const AttendKernel kernel = select_attend(path);
+    at::Tensor output = at::empty({rows, heads, dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
+    const int64_t layer_stride = 2 * kv_heads * kPageTokens * dim;
+    PagedAttention task{
+        reinterpret_cast<const uint16_t*>(query.const_data_ptr()), query.stride(0), query.stride(1),
+        reinterpret_cast<const uint16_t*>(pool.data_ptr()), layers * layer_stride, layer * layer_stride,
+        layer * layer_stride + kv_heads * kPageTokens * dim, table_data, width, sequence, position,
+        reinterpret_cast<uint16_t*>(output.data_ptr()), rows, heads, kv_heads, dim, static_cast<float>(scale)};
+    // Every row's keys are in place before any row attends: a prompt's tokens read each other's.
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) { write_rows(task, keys, values, begin, end); });
+    at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) { kernel(task, begin, end); });
     return output;
 }
+
+std::vector<int64_t> page_layout() { return {kPageTokens, kKeyBlock}; }
 
 }  // namespace
 
 TORCH_LIBRARY(corechat, m) {
     m.def("quantized_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int format, int outputs, "
           "bool float32_output, int path=0) -> Tensor", quantized_linear);
-    m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor cache_rows, Tensor starts, Tensor ends, "
-          "float scale) -> Tensor", attend_rows);
+    m.def("paged_attention(Tensor query, Tensor keys, Tensor values, Tensor(a!) pool, int layer, Tensor tables, "
+          "Tensor row_sequences, Tensor positions, float scale, int path=0) -> Tensor", paged_attention);
+    m.def("page_layout() -> int[]", page_layout);
     m.def("paths() -> str[]", paths);
 }
 

@@ -104,3 +104,7 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
 }
 
 }  // namespace corechat
+
+#include "lanes_scalar.h"
+#define CORECHAT_ATTEND attend_reference
+#include "attention.inc"

@@ -1,0 +1,94 @@
+// Lanes (attention.inc) as two AVX2 registers, each operation the scalar one lane by lane.
+#pragma once
+
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace corechat {
+
+namespace {
+
+struct Lanes {
+    __m256 low, high;
+
+    static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Lanes set1(float value) { return {_mm256_set1_ps(value), _mm256_set1_ps(value)}; }
+    static Lanes load(const float* source) { return {_mm256_loadu_ps(source), _mm256_loadu_ps(source + 8)}; }
+    static __m256 widen(const uint16_t* source) {
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    }
+    static Lanes load_bfloat16(const uint16_t* source) { return {widen(source), widen(source + 8)}; }
+    void store(float* target) const {
+        _mm256_storeu_ps(target, low);
+        _mm256_storeu_ps(target + 8, high);
+    }
+    // float_to_bfloat16 on 8 lanes: round to nearest even, a NaN kept quiet.
+    static __m128i narrow(__m256 values) {
+        const __m256i bits = _mm256_castps_si256(values);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(values, values, _CMP_UNORD_Q));
+        const __m256i chosen = _mm256_blendv_epi8(rounded, quiet, nan);
+        const __m256i packed = _mm256_packus_epi32(chosen, chosen);  // within each 128-bit half
+        return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+    }
+    void store_bfloat16(uint16_t* target) const {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(target), narrow(low));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(target + 8), narrow(high));
+    }
+    static Lanes add(const Lanes& a, const Lanes& b) { return {_mm256_add_ps(a.low, b.low), _mm256_add_ps(a.high, b.high)}; }
+    static Lanes sub(const Lanes& a, const Lanes& b) { return {_mm256_sub_ps(a.low, b.low), _mm256_sub_ps(a.high, b.high)}; }
+    static Lanes mul(const Lanes& a, const Lanes& b) { return {_mm256_mul_ps(a.low, b.low), _mm256_mul_ps(a.high, b.high)}; }
+    static Lanes div(const Lanes& a, const Lanes& b) { return {_mm256_div_ps(a.low, b.low), _mm256_div_ps(a.high, b.high)}; }
+    static Lanes max(const Lanes& a, const Lanes& b) { return {_mm256_max_ps(a.low, b.low), _mm256_max_ps(a.high, b.high)}; }
+    static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
+        return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
+    }
+    // exp_nonpositive_lane (kernels.h) on 8 lanes: its operations, one by one.
+    static __m256 exp8(__m256 x) {
+        x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+        const __m256 magic = _mm256_set1_ps(12582912.0f);
+        const __m256 whole = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+        x = _mm256_sub_ps(x, _mm256_mul_ps(whole, _mm256_set1_ps(0.693359375f)));
+        x = _mm256_sub_ps(x, _mm256_mul_ps(whole, _mm256_set1_ps(-2.12194440e-4f)));
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(whole), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+    }
+    static Lanes exp_nonpositive(const Lanes& x) { return {exp8(x.low), exp8(x.high)}; }
+    Lanes first(int64_t count) const {
+        const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 keep_low = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), index));
+        const __m256 keep_high = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count) - 8), index));
+        return {_mm256_and_ps(low, keep_low), _mm256_and_ps(high, keep_high)};
+    }
+    float sum() const {
+        alignas(32) float lanes[16];
+        store(lanes);
+        return sum_sixteen(lanes);
+    }
+    float largest() const {
+        alignas(32) float lanes[16];
+        store(lanes);
+        return largest_of_sixteen(lanes);
+    }
+};
+
+// 16 registers: 4 score accumulators (8 registers) and their key blocks; 4 value accumulators.
+constexpr int kScoreCombos = 4;
+constexpr int kScoreAccumulators = 4;
+constexpr int kValueAccumulators = 4;
+
+}  // namespace
+
+}  // namespace corechat

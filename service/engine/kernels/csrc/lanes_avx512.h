@@ -1,0 +1,80 @@
+// Lanes (attention.inc) as one AVX-512 register, each operation the scalar one lane by lane.
+#pragma once
+
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace corechat {
+
+namespace {
+
+struct Lanes {
+    __m512 v;
+
+    static Lanes zero() { return {_mm512_setzero_ps()}; }
+    static Lanes set1(float value) { return {_mm512_set1_ps(value)}; }
+    static Lanes load(const float* source) { return {_mm512_loadu_ps(source)}; }
+    static Lanes load_bfloat16(const uint16_t* source) {
+        const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
+    }
+    void store(float* target) const { _mm512_storeu_ps(target, v); }
+    // float_to_bfloat16 on 16 lanes: round to nearest even, a NaN kept quiet (vcvtneps2bf16 would
+    // flush subnormals, which torch does not).
+    void store_bfloat16(uint16_t* target) const {
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __m512i chosen = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), _mm512_cvtepi32_epi16(chosen));
+    }
+    static Lanes add(const Lanes& a, const Lanes& b) { return {_mm512_add_ps(a.v, b.v)}; }
+    static Lanes sub(const Lanes& a, const Lanes& b) { return {_mm512_sub_ps(a.v, b.v)}; }
+    static Lanes mul(const Lanes& a, const Lanes& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+    static Lanes div(const Lanes& a, const Lanes& b) { return {_mm512_div_ps(a.v, b.v)}; }
+    static Lanes max(const Lanes& a, const Lanes& b) { return {_mm512_max_ps(a.v, b.v)}; }
+    static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+    // exp_nonpositive_lane (kernels.h) on 16 lanes: its operations, one by one.
+    static Lanes exp_nonpositive(const Lanes& lanes) {
+        __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.0f), lanes.v);
+        const __m512 magic = _mm512_set1_ps(12582912.0f);
+        const __m512 whole = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+        x = _mm512_sub_ps(x, _mm512_mul_ps(whole, _mm512_set1_ps(0.693359375f)));
+        x = _mm512_sub_ps(x, _mm512_mul_ps(whole, _mm512_set1_ps(-2.12194440e-4f)));
+        __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+        y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
+        return {_mm512_mul_ps(y, _mm512_castsi512_ps(bits))};
+    }
+    Lanes first(int64_t count) const {
+        const __mmask16 keep = count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+        return {_mm512_maskz_mov_ps(keep, v)};
+    }
+    float sum() const {
+        alignas(64) float lanes[16];
+        store(lanes);
+        return sum_sixteen(lanes);
+    }
+    float largest() const {
+        alignas(64) float lanes[16];
+        store(lanes);
+        return largest_of_sixteen(lanes);
+    }
+};
+
+// 32 registers: 16 score accumulators and their key blocks; 16 value accumulators and a value row.
+constexpr int kScoreCombos = 8;
+constexpr int kScoreAccumulators = 16;
+constexpr int kValueAccumulators = 16;
+
+}  // namespace
+
+}  // namespace corechat

@@ -1,0 +1,75 @@
+// Lanes (attention.inc) as plain C++: the reference every SIMD path matches bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace corechat {
+
+namespace {
+
+struct Lanes {
+    float v[16];
+
+    static Lanes zero() { return set1(0.0f); }
+    static Lanes set1(float value) {
+        Lanes out;
+        for (float& lane : out.v) lane = value;
+        return out;
+    }
+    static Lanes load(const float* source) {
+        Lanes out;
+        std::memcpy(out.v, source, sizeof out.v);
+        return out;
+    }
+    static Lanes load_bfloat16(const uint16_t* source) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = bfloat16_to_float(source[i]);
+        return out;
+    }
+    void store(float* target) const { std::memcpy(target, v, sizeof v); }
+    void store_bfloat16(uint16_t* target) const {
+        for (int i = 0; i < 16; ++i) target[i] = float_to_bfloat16(v[i]);
+    }
+    template <typename Op>
+    static Lanes map(const Lanes& a, const Lanes& b, Op op) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = op(a.v[i], b.v[i]);
+        return out;
+    }
+    static Lanes add(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x + y; }); }
+    static Lanes sub(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x - y; }); }
+    static Lanes mul(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x * y; }); }
+    static Lanes div(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x / y; }); }
+    // a where a > b, else b: as the SIMD max instructions, which return the second operand when either is NaN.
+    static Lanes max(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+    static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+        return out;
+    }
+    static Lanes exp_nonpositive(const Lanes& x) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = exp_nonpositive_lane(x.v[i]);
+        return out;
+    }
+    // The first `count` lanes, the rest 0.
+    Lanes first(int64_t count) const {
+        Lanes out = *this;
+        for (int64_t i = count; i < 16; ++i) out.v[i] = 0.0f;
+        return out;
+    }
+    float sum() const { return sum_sixteen(v); }
+    float largest() const { return largest_of_sixteen(v); }
+};
+
+constexpr int kScoreCombos = 4;
+constexpr int kScoreAccumulators = 4;
+constexpr int kValueAccumulators = 4;
+
+}  // namespace
+
+}  // namespace corechat

@@ -1,0 +1,165 @@
+"""How the scheduler runs a model over sequences: their KV state, prompt chunks and decode steps.
+
+Two runners share one face (SequenceModel). PagedModel serves Qwen2-family models in bfloat16,
+int8 and int4 with the lean forward (qwen2.py): every sequence's KV state lives in the worker's
+page pool (kvpool.py), a decode step runs every running sequence as one batch of rows, and a
+sequence joining or leaving that batch copies nothing. TransformersModel serves the rest (other
+architectures, float32) with transformers' own forward: each sequence keeps its own cache, room
+for its prompt plus max_tokens allocated once, and a decode step runs the sequences one by one,
+so nothing is padded or copied there either; their decoding shares no weight reads, which is the
+price of running any architecture.
+
+Both count a sequence's room in pages of the same KV budget, so admission and memory bounds are
+the same whichever runs.
+"""
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from .kvcache import cache_layers, build_cache, new_cache, reserve
+from .kvpool import PagePool, SequencePages
+from .memory import KVBudget, PAGE_TOKENS
+from .qwen2 import LeanModel, Rows, lean_forward
+
+
+class SequenceModel(Protocol):
+    """A model as the scheduler runs it: sequences' KV room, prompt chunks, decode steps."""
+
+    pool: PagePool
+
+    def reserve(self, tokens: int) -> object:
+        """Take room for a sequence of at most `tokens` tokens (the pool must have it free)."""
+
+    def release(self, kv) -> None:
+        """Give a sequence's room back."""
+
+    def length(self, kv) -> int:
+        """Return the tokens a sequence's KV state holds."""
+
+    def load(self, kv, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Start a sequence's KV state with `length` stored tokens ([1, kv_heads, tokens, head_dim] per layer)."""
+
+    def read(self, kv, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield a sequence's first `length` tokens of KV state, a layer at a time."""
+
+    def copy(self, source, target) -> None:
+        """Make one sequence's KV state another's (a request's choices after their shared prompt)."""
+
+    def prefill(self, kv, token_ids: list[int], keep_last: int) -> torch.Tensor:
+        """Pass the next prompt tokens of a sequence; return the last `keep_last` rows' logits (0: all)."""
+
+    def decode(self, kvs: list, token_ids: list[int]) -> torch.Tensor:
+        """Feed one token to each sequence; return the next-token logits, [sequences, vocabulary]."""
+
+
+class PagedModel:
+    """The lean forward over the worker's page pool."""
+
+    def __init__(self, lean: LeanModel, budget: KVBudget):
+        page_tokens = int(torch.ops.corechat.page_layout()[0])
+        if page_tokens != PAGE_TOKENS:
+            raise RuntimeError(f"the kernels' pages hold {page_tokens} tokens, memory.PAGE_TOKENS {PAGE_TOKENS}")
+        self.lean = lean
+        self.pool = PagePool(budget, lean.shape)
+        # The batch's tables, rebuilt only when its sequences change: [sequences, widest table], and
+        # the tables they were built from (held, so that no other sequence's can take their place).
+        self._batch: list[torch.Tensor] = []
+        self._tables = torch.zeros((0, 0), dtype=torch.long)
+
+    def reserve(self, tokens: int) -> SequencePages:
+        """Take the pages a sequence of at most `tokens` tokens fills."""
+        return self.pool.reserve(tokens)
+
+    def release(self, kv: SequencePages) -> None:
+        """Give a sequence's pages back."""
+        self.pool.release(kv)
+
+    def length(self, kv: SequencePages) -> int:
+        """Return the tokens a sequence's pages hold."""
+        return kv.length
+
+    def load(self, kv: SequencePages, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Copy stored KV state into a sequence's first pages."""
+        self.pool.write(kv, layers, length)
+
+    def read(self, kv: SequencePages, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield a sequence's KV state, a layer at a time."""
+        return self.pool.read(kv, length)
+
+    def copy(self, source: SequencePages, target: SequencePages) -> None:
+        """Copy a sequence's pages into another's."""
+        self.pool.copy(source, target)
+
+    def prefill(self, kv: SequencePages, token_ids: list[int], keep_last: int) -> torch.Tensor:
+        """Run a prompt chunk as rows of its sequence, each at its position."""
+        count = len(token_ids)
+        rows = Rows(kv.table.unsqueeze(0), torch.zeros(count, dtype=torch.long),
+                    torch.arange(kv.length, kv.length + count))
+        logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, keep_last)
+        kv.length += count
+        return logits
+
+    def decode(self, kvs: list[SequencePages], token_ids: list[int]) -> torch.Tensor:
+        """Run one token of each sequence as a row of one batch."""
+        if len(kvs) != len(self._batch) or any(kv.table is not held for kv, held in zip(kvs, self._batch)):
+            widest = max(kv.table.numel() for kv in kvs)
+            self._tables = torch.zeros((len(kvs), widest), dtype=torch.long)
+            for row, kv in enumerate(kvs):
+                self._tables[row, : kv.table.numel()] = kv.table
+            self._batch = [kv.table for kv in kvs]
+        rows = Rows(self._tables, torch.arange(len(kvs)), torch.tensor([kv.length for kv in kvs]))
+        logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, 0)
+        for kv in kvs:
+            kv.length += 1
+        return logits
+
+
+class TransformersModel:
+    """transformers' forward, a cache per sequence, decode steps a sequence at a time."""
+
+    def __init__(self, model, budget: KVBudget):
+        self.model = model
+        self.pool = PagePool(budget)
+
+    def reserve(self, tokens: int) -> tuple[DynamicCache, SequencePages]:
+        """Count a sequence's pages and give it a cache whose room holds `tokens` tokens, allocated once."""
+        return reserve(new_cache(self.model.config), tokens), self.pool.reserve(tokens)
+
+    def release(self, kv: tuple[DynamicCache, SequencePages]) -> None:
+        """Drop a sequence's cache and give its pages back."""
+        self.pool.release(kv[1])
+
+    def length(self, kv: tuple[DynamicCache, SequencePages]) -> int:
+        """Return the tokens a sequence's cache holds."""
+        return kv[0].get_seq_length()
+
+    def load(self, kv, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Start a sequence's cache from stored KV state (copied into its room at its first append)."""
+        cache, pages = kv
+        stored = build_cache(self.model.config, [(keys[:, :, :length], values[:, :, :length]) for keys, values in layers])
+        reserve(stored, pages.capacity)
+        cache.layers = stored.layers
+
+    def read(self, kv, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield a sequence's KV state, a layer at a time (views of its cache)."""
+        for keys, values in cache_layers(kv[0]):
+            yield keys[:, :, :length], values[:, :, :length]
+
+    def copy(self, source, target) -> None:
+        """Give `target` a copy of `source`'s cache in room of its own."""
+        length = self.length(source)
+        self.load(target, [(keys.clone(), values.clone()) for keys, values in self.read(source, length)], length)
+
+    def prefill(self, kv, token_ids: list[int], keep_last: int) -> torch.Tensor:
+        """Run a prompt chunk through transformers' forward."""
+        output = self.model(input_ids=torch.tensor([token_ids]), cache=kv[0], use_cache=True, logits_to_keep=keep_last)
+        return output.logits[0].float()
+
+    def decode(self, kvs: list, token_ids: list[int]) -> torch.Tensor:
+        """Run each sequence's next token alone."""
+        logits = [self.model(input_ids=torch.tensor([[token_id]]), cache=kv[0], use_cache=True, logits_to_keep=1).logits[0, -1]
+                  for kv, token_id in zip(kvs, token_ids, strict=True)]
+        return torch.stack(logits).float()
