@@ -60,7 +60,9 @@ def register_core(app, settings: Settings, engine) -> None:
     from .engine import Engine
     from .tokenizing import Tokenization
 
-    engine = engine or Engine(settings)
+    from .cache.kvshare import RedisPrefixes
+
+    engine = engine or Engine(settings, shared_prefixes=RedisPrefixes.from_settings(settings))
     chat = ChatCompletions(engine, settings)
     app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat),
                                           tokens=Tokenization(chat))

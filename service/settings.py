@@ -228,6 +228,20 @@ class Settings(BaseSettings):
         "whole folder); it must be this user's alone. Empty means /dev/shm/corechat-prefixes-<uid>; "
         "the systemd unit sets /run/corechat/prefixes.",
     )
+    shared_kv_ttl_seconds: int = Field(
+        0, ge=0, description="Seconds a finished conversation turn's KV state stays in Redis (REDIS_URL) for the "
+        "other hosts, so the next turn landing on another host fetches it instead of recomputing its prompt; 0 "
+        "keeps KV state on its host (docs/deploy.md: several hosts). Redis holds about 12 KiB per token of "
+        "Qwen2.5-0.5B, and it is trusted with the KV state as with cached replies."
+    )
+    shared_kv_max_mb: int = Field(
+        64, ge=1, description="Largest KV state (one conversation turn) sent to Redis with SHARED_KV_TTL_SECONDS; a "
+        "worker holds one such entry in memory while it fetches it."
+    )
+    shared_kv_socket_timeout_seconds: float = Field(
+        2.0, gt=0, description="Redis read and write timeout for shared KV state: a fetch that takes longer is "
+        "given up and the prompt computed."
+    )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
         description="Where DTYPE=int8 or int4 writes its converted weights when the model folder is read-only.",

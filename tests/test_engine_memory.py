@@ -54,8 +54,10 @@ def test_the_budget_arithmetic_matches_the_pool_and_the_stored_state(engine):
     list(engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0)).events())
     layers, length = engine._scheduler.prefixes.lookup([*prompt, 0])
     assert length == len(prompt)
-    held = sum(keys[:, :, :length].nbytes + values[:, :, :length].nbytes for keys, values in layers)
-    assert held == len(prompt) * engine.facts.kv_bytes_per_token
+    # Stored as its pages: the prompt's tokens, rounded up to whole pages.
+    assert all(tuple(layer.shape) == pool.stored_shape(length) for layer in layers)
+    held = sum(layer.nbytes for layer in layers)
+    assert held == -(-len(prompt) // PAGE_TOKENS) * PAGE_TOKENS * engine.facts.kv_bytes_per_token
 
 
 # The tiny model keeps 256 bytes per token: 1 MiB holds 64 pages of 64 tokens, so two requests of

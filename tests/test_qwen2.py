@@ -16,6 +16,18 @@ from service.engine.memory import PAGE_TOKENS, KVBudget
 KERNEL_ATTENTION = "corechat-paged-test"
 
 
+def as_pages(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Return a layer's keys and values, [1, kv_heads, tokens, head_dim], in the pool's stored layout:
+    [pages, 2, kv_heads, PAGE_TOKENS * head_dim], keys of a page transposed (kernels.h: PagedAttention)."""
+    _, kv_heads, tokens, dim = keys.shape
+    count = -(-tokens // PAGE_TOKENS)
+    padded = [torch.zeros(kv_heads, count * PAGE_TOKENS, dim, dtype=keys.dtype) for _ in range(2)]
+    padded[0][:, :tokens], padded[1][:, :tokens] = keys[0], values[0]
+    key_pages = padded[0].view(kv_heads, count, PAGE_TOKENS, dim).permute(1, 0, 3, 2)
+    value_pages = padded[1].view(kv_heads, count, PAGE_TOKENS, dim).transpose(0, 1)
+    return torch.stack([key_pages.reshape(count, kv_heads, -1), value_pages.reshape(count, kv_heads, -1)], dim=1)
+
+
 def kernel_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' attention call for one sequence answered by the paged kernel: the cache's keys
     and values are put in pages, then the queries (the last positions) attend as the lean forward's rows do."""
@@ -25,7 +37,7 @@ def kernel_attention(module, query, key, value, attention_mask, scaling=None, **
     pages = pool.reserve(tokens)
     earlier = tokens - queries
     if earlier:
-        pool.write(pages, [(key[:, :, :earlier], value[:, :, :earlier])], earlier)
+        pool.write(pages, [as_pages(key[:, :, :earlier], value[:, :, :earlier])], earlier)
     rows = query[0].transpose(0, 1).contiguous()
     new_keys, new_values = (part[0, :, earlier:].transpose(0, 1).contiguous() for part in (key, value))
     out = torch.ops.corechat.paged_attention(

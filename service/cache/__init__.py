@@ -40,9 +40,12 @@ def no_cache_requested(cache_control: str) -> bool:
 class CircuitBreaker:
     """Leave a failing store alone for a while, and log its failures at most once per interval."""
 
-    def __init__(self, open_seconds: float, log_seconds: float):
+    def __init__(self, open_seconds: float, log_seconds: float, subject: str = "response cache store",
+                 fallback: str = "serving uncached"):
         self.open_seconds = open_seconds
         self.log_seconds = log_seconds
+        self.subject = subject
+        self.fallback = fallback
         self._open_until = 0.0
         self._logged_at = -math.inf
 
@@ -56,10 +59,8 @@ class CircuitBreaker:
         self._open_until = now + self.open_seconds
         if now - self._logged_at >= self.log_seconds:
             self._logged_at = now
-            log.warning(
-                "response cache store failed (%s: %s); serving uncached, next try in %.1f s",
-                type(error).__name__, error, self.open_seconds,
-            )
+            log.warning("%s failed (%s: %s); %s, next try in %.1f s", self.subject, type(error).__name__, error,
+                        self.fallback, self.open_seconds)
 
 
 class ResponseCache:

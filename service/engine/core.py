@@ -27,7 +27,7 @@ from .loading import (
 )
 from .cores import SharedCores, no_sharing
 from .memory import KVBudget, kv_bytes_per_token, pages_needed, return_freed_memory
-from .prefixes import PrefixStore
+from .prefixes import PrefixStore, SharedPrefixes
 from .prepare import prepare_model
 from .runners import PagedModel, TransformersModel
 from .sampling import SAMPLER_VERSION, SamplingParams
@@ -54,8 +54,10 @@ class EngineUnavailable(RuntimeError):
 class Engine:
     """Owns the tokenizer and model of one worker and generates for every request it accepts."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, shared_prefixes: SharedPrefixes | None = None):
+        """`shared_prefixes` keeps finished turns' KV state for other hosts (SHARED_KV_TTL_SECONDS)."""
         self.settings = settings
+        self.shared_prefixes = shared_prefixes
         self.tokenizer = None
         # Turns conversations into prompt token ids; made by start().
         self.template: ChatTemplate | None = None
@@ -208,8 +210,9 @@ class Engine:
         self._scheduler = Scheduler(
             self.settings, runner, self.tokenizer, vocab_size=self.model.config.vocab_size, pending=self._pending,
             prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024,
-                                 self.settings.prefix_store_root, f"{self.fingerprint}-{self.settings.dtype}",
-                                 DTYPES[self.settings.dtype]),
+                                 self.settings.prefix_store_root,
+                                 f"{self.fingerprint}-{self.settings.dtype}-{runner.kv_layout}",
+                                 DTYPES[self.settings.dtype], shared=self.shared_prefixes, turn_end_ids=self._eos_ids),
             eos_ids=self._eos_ids, speller=self._speller, facts=self.facts, cores=self.cores,
         )
         log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts.load_seconds, dtype)

@@ -38,6 +38,7 @@ class EngineFacts:
     warmup_seconds: float | None = None
     prefix_cache_bytes: int | None = None
     prefix_cache_hits: int | None = None
+    shared_prefix_hits: int | None = None
     largest_batch: int | None = None
     decode_overhead_fraction: float | None = None
     slot: int | None = None

@@ -22,6 +22,10 @@ import torch
 from .memory import PAGE_TOKENS, KVBudget, pages_for
 
 
+# Pages a copy in or out of the pool moves at a time: its temporary is never larger.
+COPY_PAGES = 16
+
+
 class PoolExhausted(RuntimeError):
     """Not enough free pages for a sequence (admission checks first, so this is a bookkeeping fault)."""
 
@@ -79,44 +83,47 @@ class PagePool:
         pages.table = pages.table[:0]
         pages.length = 0
 
-    # Moving KV state in and out (the prefix store keeps it as [1, kv_heads, tokens, head_dim]) ----
+    # Moving KV state in and out: the prefix store keeps a layer as its pages, [pages, 2, kv_heads,
+    # PAGE_TOKENS * head_dim], copied COPY_PAGES at a time so no copy is ever larger.
 
-    def _layer(self, pages: SequencePages, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the first `count` pages' keys and values of one layer (copies: advanced indexing)."""
+    def stored_shape(self, length: int) -> tuple[int, int, int, int]:
+        """Return the shape one layer of `length` tokens is stored in: its pages."""
         _, kv_heads, head_dim = self.shape
-        picked = self.storage[pages.table[:count], layer]  # [count, 2, kv_heads, PAGE_TOKENS * head_dim]
-        keys = picked[:, 0].view(count, kv_heads, head_dim, PAGE_TOKENS)
-        values = picked[:, 1].view(count, kv_heads, PAGE_TOKENS, head_dim)
-        return keys, values
+        return pages_for(length), 2, kv_heads, PAGE_TOKENS * head_dim
 
-    def read(self, pages: SequencePages, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield each layer's keys and values of a sequence's first `length` tokens, one layer at a time."""
-        layers, kv_heads, head_dim = self.shape
-        count = pages_for(length)
-        for layer in range(layers):
-            keys, values = self._layer(pages, layer, count)
-            keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, count * PAGE_TOKENS, head_dim)[:, :length]
-            values = values.permute(1, 0, 2, 3).reshape(kv_heads, count * PAGE_TOKENS, head_dim)[:, :length]
-            yield keys.unsqueeze(0), values.unsqueeze(0)
+    def read(self, pages: SequencePages, length: int) -> Iterator[Iterator[torch.Tensor]]:
+        """Yield each layer of a sequence's first `length` tokens as pieces of its pages; the last page's
+        columns past `length` are zeros (they may hold what an earlier sequence left)."""
+        for layer in range(self.shape[0]):
+            yield self._read_layer(pages, layer, length)
 
-    def write(self, pages: SequencePages, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Put `length` tokens of KV state (each layer's [1, kv_heads, >= length, head_dim]) at a sequence's start."""
+    def _read_layer(self, pages: SequencePages, layer: int, length: int) -> Iterator[torch.Tensor]:
+        """Yield one layer's pages of a sequence's first `length` tokens, a few at a time."""
         _, kv_heads, head_dim = self.shape
         count = pages_for(length)
-        rows = pages.table[:count]
-        padded = count * PAGE_TOKENS
-        for layer, (keys, values) in enumerate(layers):
-            for part, held in ((0, keys), (1, values)):
-                tokens = torch.zeros((kv_heads, padded, head_dim), dtype=torch.bfloat16)
-                tokens[:, :length] = held[0, :, :length]
-                tokens = tokens.view(kv_heads, count, PAGE_TOKENS, head_dim).transpose(0, 1)
-                if part == 0:
-                    tokens = tokens.transpose(2, 3)
-                self.storage[rows, layer, part] = tokens.reshape(count, kv_heads, PAGE_TOKENS * head_dim)
+        for first in range(0, count, COPY_PAGES):
+            last = min(count, first + COPY_PAGES)
+            piece = self.storage[pages.table[first:last], layer]
+            if last == count and length % PAGE_TOKENS:
+                used = length % PAGE_TOKENS
+                piece[-1, 0].view(kv_heads, head_dim, PAGE_TOKENS)[:, :, used:] = 0
+                piece[-1, 1].view(kv_heads, PAGE_TOKENS, head_dim)[:, used:] = 0
+            yield piece
+
+    def write(self, pages: SequencePages, layers: list[torch.Tensor], length: int) -> None:
+        """Put `length` stored tokens of KV state (each layer's pages, read() or the prefix store's) at a
+        sequence's start."""
+        count = pages_for(length)
+        for layer, stored in enumerate(layers):
+            for first in range(0, count, COPY_PAGES):
+                last = min(count, first + COPY_PAGES)
+                self.storage[pages.table[first:last], layer] = stored[first:last]
         pages.length = length
 
     def copy(self, source: SequencePages, target: SequencePages) -> None:
         """Make `target` hold what `source` holds (a request's other choices, after their shared prompt pass)."""
         count = pages_for(source.length)
-        self.storage[target.table[:count]] = self.storage[source.table[:count]]
+        for first in range(0, count, COPY_PAGES):
+            last = min(count, first + COPY_PAGES)
+            self.storage[target.table[first:last]] = self.storage[source.table[first:last]]
         target.length = source.length

@@ -12,18 +12,29 @@ a hit touches its file's time.
 The folder has one subfolder per model fingerprint (weights, weight format, dtype), so workers of
 another model never read these keys and values. It must be the service's own: a folder another
 user can write could hand workers forged keys and values, so one that is not private is not used.
+
+Beyond the host (SHARED_KV_TTL_SECONDS), a finished turn's file is also sent, from a background
+thread, to a store every host reaches (service/cache/kvshare.py: Redis). A prompt whose longest
+local prefix is shorter than one a finished turn could have left asks that store for it: a turn
+ends just before its end-of-turn token (or one token earlier, cut by max_tokens), so the
+candidates are the prompt's prefixes that stop there; the longest found is written into this
+host's folder and used from there.
 """
 
 import hashlib
 import json
 import logging
+import mmap
 import os
+import queue
 import stat
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -31,6 +42,24 @@ from safetensors import safe_open
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
+# Turns waiting to be sent beyond the host; more are dropped (sharing only saves recomputing).
+SHARE_QUEUE = 8
+
+
+class SharedPrefixes(Protocol):
+    """Stored sequences' files shared beyond the host, by name; failures fail open (nothing found, nothing sent)."""
+
+    def publish(self, name: str, data: memoryview) -> None:
+        """Keep a stored sequence's file under a name for the other hosts."""
+
+    def fetch(self, names: list[str]) -> tuple[str, bytes] | None:
+        """Return the first of the names that is kept, and its file."""
+
+
+def sequence_name(ids) -> str:
+    """Return the file name a sequence of token ids is stored under."""
+    key = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
+    return hashlib.sha256(key.numpy().tobytes()).hexdigest()[:32] + SUFFIX
 
 
 def common_prefix_length(stored: torch.Tensor, prompt: torch.Tensor) -> int:
@@ -68,13 +97,6 @@ def touch(path: Path) -> None:
         pass  # evicted meanwhile: a mapping a reader holds stays whole
 
 
-def kv_shape(config, tokens: int) -> tuple[int, int, int, int]:
-    """Return the shape of one layer's keys (and values) of `tokens` tokens: [1, kv_heads, tokens, head_dim]."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 1, getattr(config, "num_key_value_heads", None) or heads, tokens, head_dim
-
-
 # safetensors' names of the dtypes a KV state is kept in.
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
@@ -88,31 +110,35 @@ def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def write_sequence(path: Path, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                   layers: Iterable[tuple[torch.Tensor, torch.Tensor]], layer_count: int) -> None:
-    """Write a sequence as a safetensors file (ids, then keys.N and values.N per layer), a layer at a time.
+                   layers: Iterable[Iterable[torch.Tensor]], layer_count: int) -> None:
+    """Write a sequence as a safetensors file: its ids, then each layer's KV state (`layer.N` of `shape`),
+    each layer given as pieces whose bytes follow each other, written as they come.
 
     safetensors' own writers take every tensor at once, which would hold a second copy of the
     sequence's whole KV state; the format is a little-endian header length, a JSON header and the
-    tensors' bytes in its order, so it is written here as it comes.
+    tensors' bytes in its order, so it is written here piece by piece.
     """
-    header, offset = {}, 0
-    for name, stored_dtype, size in [("ids", "I32", ids.nbytes)] + [
-            (f"{part}.{index}", SAFETENSORS_DTYPES[dtype], shape_bytes(shape, dtype)) for index in range(layer_count)
-            for part in ("keys", "values")]:
-        header[name] = {"dtype": stored_dtype, "shape": list(ids.shape) if name == "ids" else list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
+    layer_bytes = shape_bytes(shape, dtype)
+    header = {"ids": {"dtype": "I32", "shape": list(ids.shape), "data_offsets": [0, ids.nbytes]}}
+    for index in range(layer_count):
+        start = ids.nbytes + index * layer_bytes
+        header[f"layer.{index}"] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                                    "data_offsets": [start, start + layer_bytes]}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     written = 0
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(encoded)) + encoded)
         file.write(ids.numpy().data)
-        for keys, values in layers:
-            for tensor in (keys, values):
-                if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                    raise ValueError(f"a layer's KV state is {tuple(tensor.shape)} {tensor.dtype}, not {shape} {dtype}")
-                file.write(tensor.contiguous().view(torch.uint8).numpy().data)
+        for pieces in layers:
+            size = 0
+            for piece in pieces:
+                if piece.dtype != dtype:
+                    raise ValueError(f"a layer's KV state is {piece.dtype}, not {dtype}")
+                size += piece.nbytes
+                file.write(piece.contiguous().view(torch.uint8).numpy().data)
+            if size != layer_bytes:
+                raise ValueError(f"a layer's KV state is {size} bytes, not {layer_bytes} ({shape})")
             written += 1
     if written != layer_count:
         raise ValueError(f"{written} layers of KV state given, {layer_count} expected")
@@ -130,54 +156,127 @@ class _Entry:
 class PrefixStore:
     """Stored sequences' KV state, shared by the workers of a host, capped in bytes for the folder."""
 
-    def __init__(self, config, capacity_bytes: int, root: Path, model_key: str, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config, capacity_bytes: int, root: Path, model_key: str, dtype: torch.dtype = torch.bfloat16,
+                 shared: SharedPrefixes | None = None, turn_end_ids: Iterable[int] = ()):
+        """`shared` keeps finished turns beyond the host; `turn_end_ids` are the tokens a finished turn stops before."""
         self.config = config
         self.dtype = dtype
         self.capacity_bytes = capacity_bytes
         self.root = root
+        self.model_key = model_key
         self.folder = root / model_key
         self.enabled = capacity_bytes > 0 and private_folder(root) and private_folder(self.folder)
+        self.shared = shared if self.enabled else None
+        self.turn_end_ids = frozenset(turn_end_ids)
         # Bytes of the stored files as this worker last counted them (all models' files).
         self.bytes = 0
+        # Prompts that found their prefix beyond the host.
+        self.shared_hits = 0
         self._entries: dict[str, _Entry] = {}
+        self._sharing: queue.Queue[Path] = queue.Queue(maxsize=SHARE_QUEUE)
+        self._sharer: threading.Thread | None = None
 
-    def lookup(self, prompt_ids: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """Return every layer's keys and values of the longest stored prefix of the prompt, and its length.
+    def lookup(self, prompt_ids: list[int]) -> tuple[list[torch.Tensor], int]:
+        """Return every layer's stored KV state of the longest stored prefix of the prompt, and its length.
 
-        The tensors are views of a read-only mapping, [1, kv_heads, tokens, head_dim], at least as
-        long as the prefix; the caller copies what it needs. At least the prompt's last token is
-        left out, since its logits are what the prompt pass is for.
+        The tensors are views of a read-only mapping, in the layout their runner stored (at least the
+        prefix's tokens); the caller copies what it needs. At least the prompt's last token is left
+        out, since its logits are what the prompt pass is for.
         """
         if not self.enabled or len(prompt_ids) < 2:
             return [], 0
         self._refresh()
         prompt = torch.tensor(prompt_ids, dtype=torch.int32)
+        best, best_length = self._longest(prompt)
+        if self.shared is not None and self._fetch_longer(prompt, best_length):
+            best, best_length = self._longest(prompt)
+        best_length = min(best_length, len(prompt_ids) - 1)
+        if best is None or best_length <= 0:
+            return [], 0
+        touch(best.path)
+        layers = [best.file.get_tensor(f"layer.{index}") for index in range(self.config.num_hidden_layers)]
+        return layers, best_length
+
+    def _longest(self, prompt: torch.Tensor) -> tuple["_Entry | None", int]:
+        """Return the mapped entry sharing the longest prefix with a prompt, and that length."""
         best, best_length = None, 0
         for entry in self._entries.values():
             length = common_prefix_length(entry.ids, prompt)
             if length > best_length:
                 best, best_length = entry, length
-        best_length = min(best_length, len(prompt_ids) - 1)
-        if best is None or best_length <= 0:
-            return [], 0
-        touch(best.path)
-        layers = [(best.file.get_tensor(f"keys.{index}"), best.file.get_tensor(f"values.{index}"))
-                  for index in range(self.config.num_hidden_layers)]
-        return layers, best_length
+        return best, best_length
 
-    def store(self, ids: list[int], layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep the KV state of a sequence for every worker: each layer's keys and values, [1, kv_heads,
-        len(ids), head_dim], taken from `layers` one at a time (so no more than one is ever copied)."""
+    def _fetch_longer(self, prompt: torch.Tensor, local_length: int) -> bool:
+        """Ask the shared store for the longest finished turn the prompt continues, longer than the local
+        match; keep what it holds in this host's folder. Return whether something was kept."""
+        # A turn that stopped at its end-of-turn token holds the tokens before it; one cut by max_tokens all
+        # but its last (never fed).
+        at_ends = torch.isin(prompt, torch.tensor(sorted(self.turn_end_ids), dtype=prompt.dtype)).nonzero().flatten()
+        ends = sorted({end - back for end in at_ends.tolist() for back in (0, 1)}, reverse=True)
+        ends = [length for length in ends if length > max(local_length, 1)]
+        if not ends:
+            return False
+        names = {f"{self.model_key}/{sequence_name(prompt[:length])}": length for length in ends}
+        found = self.shared.fetch(list(names))
+        if found is None:
+            return False
+        name, data = found
+        path = self.folder / name.rpartition("/")[2]
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            partial.write_bytes(data)
+            with safe_open(str(partial), framework="pt") as file:
+                if not torch.equal(file.get_tensor("ids"), prompt[:names[name]]):
+                    raise ValueError("its token ids are not the prompt's")
+            os.replace(partial, path)
+        except Exception as exc:  # a full folder, a file that is not a stored sequence
+            log.warning("a shared sequence's KV state could not be kept: %s", exc)
+            partial.unlink(missing_ok=True)
+            return False
+        touch(path)
+        self.shared_hits += 1
+        self._refresh()
+        self._evict()
+        return True
+
+    def share(self, ids: list[int]) -> None:
+        """Send a stored sequence (a finished turn) beyond the host, from a background thread."""
+        if self.shared is None:
+            return
+        path = self.folder / sequence_name(ids)
+        if self._sharer is None:
+            self._sharer = threading.Thread(target=self._send_shared, name="corechat-kv-share", daemon=True)
+            self._sharer.start()
+        try:
+            self._sharing.put_nowait(path)
+        except queue.Full:
+            log.debug("sharing queue full: %s stays on this host", path.name)
+
+    def _send_shared(self) -> None:
+        """Send queued stored sequences' files, each mapped (never copied), until the process ends."""
+        while True:
+            path = self._sharing.get()
+            try:
+                with (open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapping,
+                      memoryview(mapping) as view):
+                    self.shared.publish(f"{self.model_key}/{path.name}", view)
+            except (FileNotFoundError, ValueError):
+                pass  # evicted before it was sent, or empty
+            except Exception:
+                log.exception("a stored sequence could not be shared")
+
+    def store(self, ids: list[int], shape: tuple[int, ...], layers: Iterable[Iterable[torch.Tensor]]) -> None:
+        """Keep the KV state of a sequence for every worker: each layer's, of `shape`, given as pieces
+        taken one at a time (so no more than a piece is ever copied)."""
         if not self.enabled or len(ids) < 2:
             return
         key = torch.tensor(ids, dtype=torch.int32)
-        name = hashlib.sha256(key.numpy().tobytes()).hexdigest()[:32] + SUFFIX
+        name = sequence_name(key)
         path = self.folder / name
         if path.exists():
             touch(path)
             return
-        shape = kv_shape(self.config, len(ids))
-        size = key.nbytes + 2 * self.config.num_hidden_layers * shape_bytes(shape, self.dtype)
+        size = key.nbytes + self.config.num_hidden_layers * shape_bytes(shape, self.dtype)
         if size > self.capacity_bytes:
             return
         if not self.folder.is_dir() and not (private_folder(self.root) and private_folder(self.folder)):

@@ -103,6 +103,8 @@ class PromptPass:
                 return None
             if sequence.cached_prompt_tokens:
                 self.facts.prefix_cache_hits = (self.facts.prefix_cache_hits or 0) + 1
+                if self.prefixes.shared is not None:
+                    self.facts.shared_prefix_hits = self.prefixes.shared_hits
             for choice in sequence.siblings:
                 choice.prompt_seconds = sequence.prompt_seconds
             if scoring:
@@ -121,12 +123,15 @@ class PromptPass:
         return [choice for choice, token_id, logprob in zip(group, token_ids, logprobs, strict=True)
                 if self.delivery.advance_or_fail(choice, token_id, logprob)]
 
-    def store(self, sequence: Sequence) -> None:
-        """Keep the KV state a sequence holds for every worker of the host; a failure only costs reuse."""
+    def store(self, sequence: Sequence, finished_turn: bool = False) -> None:
+        """Keep the KV state a sequence holds for every worker of the host, and a finished turn beyond it;
+        a failure only costs reuse."""
         length = self.runner.length(sequence.kv)
         try:
             ids = [*sequence.generation.input_ids, *sequence.taken_ids][:length]
-            self.prefixes.store(ids, self.runner.read(sequence.kv, length))
+            self.prefixes.store(ids, self.runner.stored_shape(length), self.runner.read(sequence.kv, length))
+            if finished_turn:
+                self.prefixes.share(ids)
             self.facts.prefix_cache_bytes = self.prefixes.bytes
         except Exception:
             log.exception("a sequence's KV state could not be stored")

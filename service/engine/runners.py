@@ -13,7 +13,7 @@ Both count a sequence's room in pages of the same KV budget, so admission and me
 the same whichever runs.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -29,6 +29,8 @@ class SequenceModel(Protocol):
     """A model as the scheduler runs it: sequences' KV room, prompt chunks, decode steps."""
 
     pool: PagePool
+    # Names how read() lays KV state out, so stored sequences of another layout are never loaded.
+    kv_layout: str
 
     def reserve(self, tokens: int) -> object:
         """Take room for a sequence of at most `tokens` tokens (the pool must have it free)."""
@@ -39,11 +41,14 @@ class SequenceModel(Protocol):
     def length(self, kv) -> int:
         """Return the tokens a sequence's KV state holds."""
 
-    def load(self, kv, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Start a sequence's KV state with `length` stored tokens ([1, kv_heads, tokens, head_dim] per layer)."""
+    def stored_shape(self, length: int) -> tuple[int, ...]:
+        """Return the shape in which one layer of `length` tokens of KV state is stored (read, load)."""
 
-    def read(self, kv, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield a sequence's first `length` tokens of KV state, a layer at a time."""
+    def load(self, kv, layers: list[torch.Tensor], length: int) -> None:
+        """Start a sequence's KV state with `length` stored tokens (each layer's, as read() gave it)."""
+
+    def read(self, kv, length: int) -> Iterator[Iterable[torch.Tensor]]:
+        """Yield a sequence's first `length` tokens of KV state, each layer as pieces of its stored shape."""
 
     def copy(self, source, target) -> None:
         """Make one sequence's KV state another's (a request's choices after their shared prompt)."""
@@ -57,6 +62,8 @@ class SequenceModel(Protocol):
 
 class PagedModel:
     """The lean forward over the worker's page pool."""
+
+    kv_layout = f"pages{PAGE_TOKENS}"
 
     def __init__(self, lean: LeanModel, budget: KVBudget):
         page_tokens = int(torch.ops.corechat.page_layout()[0])
@@ -81,12 +88,16 @@ class PagedModel:
         """Return the tokens a sequence's pages hold."""
         return kv.length
 
-    def load(self, kv: SequencePages, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Copy stored KV state into a sequence's first pages."""
+    def stored_shape(self, length: int) -> tuple[int, ...]:
+        """Return one layer's stored shape: its pages."""
+        return self.pool.stored_shape(length)
+
+    def load(self, kv: SequencePages, layers: list[torch.Tensor], length: int) -> None:
+        """Copy stored pages into a sequence's first pages."""
         self.pool.write(kv, layers, length)
 
-    def read(self, kv: SequencePages, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield a sequence's KV state, a layer at a time."""
+    def read(self, kv: SequencePages, length: int) -> Iterator[Iterable[torch.Tensor]]:
+        """Yield a sequence's pages, a layer at a time, a few pages at a time."""
         return self.pool.read(kv, length)
 
     def copy(self, source: SequencePages, target: SequencePages) -> None:
@@ -120,6 +131,8 @@ class PagedModel:
 class TransformersModel:
     """transformers' forward, a cache per sequence, decode steps a sequence at a time."""
 
+    kv_layout = "tokens"
+
     def __init__(self, model, budget: KVBudget):
         self.model = model
         self.pool = PagePool(budget)
@@ -136,22 +149,28 @@ class TransformersModel:
         """Return the tokens a sequence's cache holds."""
         return kv[0].get_seq_length()
 
-    def load(self, kv, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+    def stored_shape(self, length: int) -> tuple[int, ...]:
+        """Return one layer's stored shape: its keys and values, [2, kv_heads, length, head_dim]."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2, config.num_key_value_heads, length, head_dim
+
+    def load(self, kv, layers: list[torch.Tensor], length: int) -> None:
         """Start a sequence's cache from stored KV state (copied into its room at its first append)."""
         cache, pages = kv
-        stored = build_cache(self.model.config, [(keys[:, :, :length], values[:, :, :length]) for keys, values in layers])
+        stored = build_cache(self.model.config, [(layer[0:1, :, :length], layer[1:2, :, :length]) for layer in layers])
         reserve(stored, pages.capacity)
         cache.layers = stored.layers
 
-    def read(self, kv, length: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield a sequence's KV state, a layer at a time (views of its cache)."""
+    def read(self, kv, length: int) -> Iterator[Iterable[torch.Tensor]]:
+        """Yield a sequence's KV state, a layer at a time (a copy of the layer, on this rarely taken path)."""
         for keys, values in cache_layers(kv[0]):
-            yield keys[:, :, :length], values[:, :, :length]
+            yield [torch.cat((keys[:, :, :length], values[:, :, :length]))]
 
     def copy(self, source, target) -> None:
         """Give `target` a copy of `source`'s cache in room of its own."""
         length = self.length(source)
-        self.load(target, [(keys.clone(), values.clone()) for keys, values in self.read(source, length)], length)
+        self.load(target, [torch.cat(list(pieces)) for pieces in self.read(source, length)], length)
 
     def prefill(self, kv, token_ids: list[int], keep_last: int) -> torch.Tensor:
         """Run a prompt chunk through transformers' forward."""

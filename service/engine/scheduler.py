@@ -315,7 +315,7 @@ class Scheduler:
         active[:] = [sequence for sequence in active if sequence.in_batch and sequence.final is None]
         for sequence in ended:
             if sequence.final is not None:
-                self.prompts.store(sequence)
+                self.prompts.store(sequence, finished_turn=True)
                 self.delivery.end(sequence.generation, sequence.final)
         self._release_all(ended)
 
