@@ -112,6 +112,11 @@ struct PagedAttention {
     float scale;
 };
 
+// The peak-rate probes: `iterations` rounds of a path's multiply-add instructions alone (avx512:
+// 12 x 64 multiply-adds a round, avx2: 8 x 32).
+int64_t peak_loop_avx512(int64_t iterations);
+int64_t peak_loop_avx2(int64_t iterations);
+
 // Attend for (kv head, row) pairs [begin, end), numbered kv_head * rows + row; each path gives
 // the reference's bits.
 using AttendKernel = void (*)(const PagedAttention& task, int64_t begin, int64_t end);

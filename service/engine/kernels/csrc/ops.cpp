@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -232,6 +233,28 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
 
 std::vector<int64_t> page_layout() { return {kPageTokens, kKeyBlock}; }
 
+// torch.ops.corechat.peak_multiply_adds: run a path's multiply-add instructions alone on `threads`
+// threads for `iterations` rounds each; return the multiply-adds done (the caller times the call).
+int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
+    TORCH_CHECK(iterations > 0 && threads > 0, "iterations and threads must be positive");
+    static const std::vector<Path> paths = available_paths();
+    TORCH_CHECK(std::find(paths.begin(), paths.end(), static_cast<Path>(path)) != paths.end() &&
+                (path == kAvx2 || path == kAvx512Vnni), "the peak probe runs the avx2 or avx512_vnni path of this CPU");
+    std::atomic<int64_t> checksum{0};
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t thread = begin; thread < end; ++thread) {
+#ifdef CORECHAT_WITH_AVX512_VNNI
+            if (path == kAvx512Vnni) checksum += peak_loop_avx512(iterations);
+#endif
+#ifdef CORECHAT_WITH_AVX2
+            if (path == kAvx2) checksum += peak_loop_avx2(iterations);
+#endif
+        }
+    });
+    TORCH_CHECK(checksum.load() != 0, "the peak probe did no work");
+    return threads * iterations * (path == kAvx512Vnni ? 12 * 64 : 8 * 32);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(corechat, m) {
@@ -240,6 +263,7 @@ TORCH_LIBRARY(corechat, m) {
     m.def("paged_attention(Tensor query, Tensor keys, Tensor values, Tensor(a!) pool, int layer, Tensor tables, "
           "Tensor row_sequences, Tensor positions, float scale, int path=0) -> Tensor", paged_attention);
     m.def("page_layout() -> int[]", page_layout);
+    m.def("peak_multiply_adds(int path, int iterations, int threads) -> int", peak_multiply_adds);
     m.def("paths() -> str[]", paths);
 }
 
