@@ -111,6 +111,39 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt):
             assert torch.equal(product(fmt, x[:rows], weight, scales, 257, path=path), alone[:rows]), (path, rows)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Tell whether two float32 or bfloat16 tensors hold the same bits (NaNs included, which torch.equal refuses)."""
+    as_integers = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return a.dtype == b.dtype and torch.equal(a.view(as_integers), b.view(as_integers))
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path(fmt, poison):
+    """A NaN or inf among a row's activations (first or last block) gives NaN in every output of that
+    row, never finite numbers; the other rows keep their bits; every path gives the reference's bits."""
+    generator = torch.Generator().manual_seed(9)
+    outputs, inputs = 37, 128
+    weight, scales = quantized(fmt, outputs, inputs, generator)
+    bias = torch.randn(outputs, generator=generator)
+    for rows in (1, 2, 6, 65):
+        clean = torch.randn(rows, inputs, generator=generator)
+        poisoned_rows = sorted({0, rows - 1})
+        poisoned = clean.clone()
+        poisoned[0, 5] = poison
+        poisoned[rows - 1, inputs - 1] = poison
+        others = [row for row in range(rows) if row not in poisoned_rows]
+        for dtype in (torch.float32, torch.bfloat16):
+            for float32_output in (True, False):
+                reference = product(fmt, poisoned.to(dtype), weight, scales, outputs, bias, float32_output)
+                finite = product(fmt, clean.to(dtype), weight, scales, outputs, bias, float32_output)
+                assert reference[poisoned_rows].isnan().all(), (rows, dtype, float32_output)
+                assert same_bits(reference[others], finite[others]), (rows, dtype, float32_output)
+                for path in simd_paths():
+                    got = product(fmt, poisoned.to(dtype), weight, scales, outputs, bias, float32_output, path)
+                    assert same_bits(got, reference), (path, rows, dtype, float32_output)
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int):
     """Run the block with torch's intra-op thread count set, restoring it after."""

@@ -4,7 +4,8 @@
 // of rows, the tile shapes or the threads, so a row's result never depends on the rest of its batch
 // and every path gives the reference's bits exactly:
 //   - activations are rounded to int8 in blocks of 32 (one float scale s_x each, round half to
-//     even); int4 products also take n = float(8 * sum of the block's int8 values);
+//     even); int4 products also take n = float(8 * sum of the block's int8 values); a block
+//     holding NaN or inf has s_x = NaN (its values 0), which makes every output of its row NaN;
 //   - within a block, lane j (0..7) of an 8-lane accumulator takes the exact integer sum over
 //     elements 4j..4j+3 of stored weight times activation, blocks in order:
 //       int8 rows:   acc[j] = fma(float(sum), s_x, acc[j])
