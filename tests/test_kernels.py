@@ -24,6 +24,9 @@ MAX_RUNNING = Settings().max_running
 SHAPES = [(1, 64), (3, 96), (37, 128), (129, 192), (300, 896), (61, 4864), (5, 32)]
 # Every batch size the batcher uses, and prompt chunks across the kernel's 64-row chunk.
 ROWS = list(range(1, MAX_RUNNING + 1)) + [63, 64, 65, 130]
+SMALLEST_NORMAL = torch.finfo(torch.float32).smallest_normal
+# The smallest largest magnitude whose block scale (largest / 127) is normal: smaller blocks quantize to zeros.
+SCALE_BOUND = 127 * SMALLEST_NORMAL
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,6 +62,7 @@ def expected_product(fmt, inputs: torch.Tensor, weight, scales, outputs: int) ->
     rows, width = inputs.shape
     blocks = inputs.float().reshape(rows, width // 32, 32)
     block_scales = blocks.abs().amax(dim=2) / 127
+    block_scales = torch.where(block_scales >= SMALLEST_NORMAL, block_scales, torch.zeros_like(block_scales))
     inverse = torch.where(block_scales > 0, 1 / block_scales, torch.zeros_like(block_scales))
     levels = torch.round(blocks * inverse[:, :, None]).clamp(-127, 127)
     activations = (levels * block_scales[:, :, None]).double().reshape(rows, width)
@@ -141,6 +145,84 @@ def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path
                 assert same_bits(reference[others], finite[others]), (rows, dtype, float32_output)
                 for path in simd_paths():
                     got = product(fmt, poisoned.to(dtype), weight, scales, outputs, bias, float32_output, path)
+                    assert same_bits(got, reference), (path, rows, dtype, float32_output)
+
+
+def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator):
+    """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every row
+    or group), so that tiny activations give products that stay normal floats."""
+    low, high = (-127, 127) if fmt is INT8 else (-8, 7)
+    weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).float()
+    weight[:, ::32] = low
+    return (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
+
+
+def float_next(value: float, toward: float) -> float:
+    """Return the float32 next to `value` in the direction of `toward`."""
+    return float(torch.nextafter(torch.tensor(value), torch.tensor(toward)))
+
+
+# Largest magnitudes of a block at float32's low end: the smallest subnormal, a subnormal, the smallest
+# normal, the bound of a normal scale and the floats either side of it, and an ordinary size.
+EXTREMES = [2.0**-149, 3e-39, SMALLEST_NORMAL, 3.7e-37, float_next(SCALE_BOUND, 0.0), SCALE_BOUND,
+            float_next(SCALE_BOUND, 1.0), 1.0]
+
+
+def extreme_rows(rows: int, inputs: int, generator: torch.Generator) -> torch.Tensor:
+    """Return activations whose blocks each take a largest magnitude from EXTREMES (random sign), the
+    other elements zeros, subnormals or random fractions of it."""
+    blocks = rows * inputs // 32
+    largest = torch.tensor(EXTREMES)[torch.randint(len(EXTREMES), (blocks, 1), generator=generator)]
+    fractions = torch.rand(blocks, 32, generator=generator)
+    kind = torch.randint(3, (blocks, 32), generator=generator)
+    values = torch.where(kind == 0, 0.0, torch.where(kind == 1, 2.0**-149 * torch.randint(1, 2**23, (blocks, 32), generator=generator),
+                                                      largest * fractions))
+    values = torch.minimum(values, largest)
+    values[torch.arange(blocks), torch.randint(32, (blocks,), generator=generator)] = largest[:, 0]
+    signs = torch.randint(2, (blocks, 32), generator=generator) * 2 - 1
+    return (values * signs).reshape(rows, inputs)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(fmt):
+    """Blocks whose largest magnitude is 0, subnormal, the smallest normal or just below 127 times it add
+    nothing (a subnormal scale's inverse overflows, which made zeros -127); at that bound and above they count."""
+    generator = torch.Generator().manual_seed(10)
+    outputs, inputs = 13, 256
+    weight, scales = integral_weights(fmt, outputs, inputs, generator)
+    for largest in EXTREMES:
+        x = torch.rand(3, inputs, generator=generator) * largest
+        x[:, ::32] = largest
+        x[1] = -x[1]
+        x[2, 1::2] = 0.0
+        for path in kernels.available_paths():
+            got = product(fmt, x, weight, scales, outputs, path=path)
+            if largest < SCALE_BOUND:
+                assert torch.equal(got, torch.zeros(3, outputs)), (largest, path)
+            else:
+                assert (got != 0).all(), (largest, path)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+def test_activations_at_floats_low_end_give_the_references_bits_on_every_path(fmt):
+    """Fuzzed blocks of zeros, subnormals, the smallest normal and values either side of the normal-scale
+    bound: the reference computes the rounded product, and every path gives its bits."""
+    generator = torch.Generator().manual_seed(11)
+    outputs, inputs = 37, 512
+    weight, scales = integral_weights(fmt, outputs, inputs, generator)
+    bias = torch.randn(outputs, generator=generator) * 1e-30
+    dense = dequantize(fmt, weight, scales, outputs).abs().double()
+    for rows in (1, 2, 5, 65):
+        x = extreme_rows(rows, inputs, generator)
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs_of_type = x.to(dtype)
+            want = expected_product(fmt, inputs_of_type, weight, scales, outputs)
+            got = product(fmt, inputs_of_type, weight, scales, outputs).double()
+            assert ((got - want).abs() <= (inputs_of_type.double().abs() @ dense.t()) * 3e-5 + 1e-44).all(), (rows, dtype)
+            for float32_output in (True, False):
+                reference = product(fmt, inputs_of_type, weight, scales, outputs, bias, float32_output)
+                for path in simd_paths():
+                    got = product(fmt, inputs_of_type, weight, scales, outputs, bias, float32_output, path)
                     assert same_bits(got, reference), (path, rows, dtype, float32_output)
 
 

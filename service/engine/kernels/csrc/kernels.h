@@ -6,6 +6,7 @@
 //   - activations are rounded to int8 in blocks of 32 (one float scale s_x each, round half to
 //     even); int4 products also take n = float(8 * sum of the block's int8 values); a block
 //     holding NaN or inf has s_x = NaN (its values 0), which makes every output of its row NaN;
+//     a block whose s_x = largest magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
 //   - within a block, lane j (0..7) of an 8-lane accumulator takes the exact integer sum over
 //     elements 4j..4j+3 of stored weight times activation, blocks in order:
 //       int8 rows:   acc[j] = fma(float(sum), s_x, acc[j])

@@ -59,6 +59,9 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
                 std::memset(out, 0, kBlock);
             } else {
                 scale = largest / 127.0f;
+                // A subnormal scale's inverse can overflow to inf, and 0 * inf would turn the block's
+                // zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
+                if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
                 const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
                 for (int i = 0; i < kBlock; ++i) {
                     float rounded = std::min(127.0f, std::max(-127.0f, round_half_even(block[i] * inverse)));
