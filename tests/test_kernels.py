@@ -6,8 +6,11 @@ cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the repor
 """
 
 import contextlib
+import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from service.engine import kernels
 from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8
 from service.settings import Settings
+from kernel_misuse import CASES as MISUSE_CASES
 from support import cpu_ticks_by_thread
 
 MAX_RUNNING = Settings().max_running
@@ -280,6 +284,32 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
         product(INT8, torch.randn(1, 64), weight, scales, 12)
     with pytest.raises(RuntimeError, match="multiples of 64"):
         product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.float16), 8)
+
+
+@pytest.fixture(scope="module")
+def misuse_outcomes() -> dict[str, dict]:
+    """Run tests/kernel_misuse.py's cases in a child process; return what each raised, by case (a case
+    that crashed the child is the last one started, with the signal that ended it)."""
+    child = subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_misuse.py")], capture_output=True,
+                           text=True, timeout=300, check=False)
+    outcomes = {}
+    for line in child.stdout.splitlines():
+        report = json.loads(line)
+        outcomes[report["case"]] = report
+    if child.returncode != 0:
+        crashed = list(outcomes)[-1]
+        outcomes[crashed] = {"case": crashed, "crashed": -child.returncode, "stderr": child.stderr[-2000:]}
+    return outcomes
+
+
+@pytest.mark.parametrize("case", list(MISUSE_CASES))
+def test_an_operator_given_a_bad_shape_dtype_or_device_raises_instead_of_crashing(misuse_outcomes, case):
+    """Widths of 0, meta tensors, a down projection narrower than hidden, mismatched gate and up: each is
+    a RuntimeError naming the problem, where some killed the process (SIGFPE, SIGSEGV) or read past a
+    tensor's end."""
+    outcome = misuse_outcomes.get(case, {"never run": "an earlier case crashed the child"})
+    assert outcome.get("raised") == "RuntimeError", outcome
+    assert re.search(MISUSE_CASES[case][1], outcome["message"]), outcome
 
 
 def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():

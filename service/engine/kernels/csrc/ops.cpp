@@ -75,16 +75,24 @@ std::vector<std::string> paths() {
 
 }  // namespace
 
+void check_cpu(const at::Tensor& tensor, const char* name) {
+    TORCH_CHECK(tensor.is_cpu(), name, " must be a CPU tensor, not one on ", tensor.device());
+}
+
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path) {
+    check_cpu(input, "input");
+    check_cpu(weight, "weight");
+    check_cpu(scales, "scales");
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
                 "input must be bfloat16 or float32");
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
                 "weight and scales must be contiguous");
     const int64_t rows = input.size(0), inputs = input.size(1), stored = weight.size(0);
-    TORCH_CHECK(inputs % kBlock == 0, "the input width must be a multiple of ", kBlock);
+    // A width of 0 would divide by zero when the rows are shared among threads.
+    TORCH_CHECK(inputs > 0 && inputs % kBlock == 0, "the input width must be a positive multiple of ", kBlock);
     TORCH_CHECK(outputs > 0 && stored == (outputs + kInterleave - 1) / kInterleave * kInterleave,
                 "weight must hold the outputs padded to a multiple of ", kInterleave, " rows");
     if (format == kInt8Rows) {
@@ -99,6 +107,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     }
     const float* bias_data = nullptr;
     if (bias.has_value()) {
+        check_cpu(*bias, "bias");
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == outputs,
                     "bias must be float32 [outputs]");
         bias_data = bias->data_ptr<float>();
