@@ -1,4 +1,5 @@
-// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .attention and .paths. Each output column (and each attention row) is computed whole by one thread, so the
+// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .attention, .paths and
+// .layout. Each output column (and each attention row) is computed whole by one thread, so the
 // thread count never changes a result either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -6,6 +7,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -71,6 +73,14 @@ std::vector<std::string> paths() {
     std::vector<std::string> names;
     for (Path path : available_paths()) names.emplace_back(path_name(path));
     return names;
+}
+
+// The weight layout the kernels read (kernels.h), which the Python converter must write: it checks
+// its own constants against these when it loads. Names and values side by side (a Dict return
+// trips a warning inside torch's headers).
+std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
+    return {{"block", "interleave", "unit_bytes", "int8_rows", "int4_groups"},
+            {kBlock, kInterleave, kUnitBytes, kInt8Rows, kInt4Groups}};
 }
 
 }  // namespace
@@ -182,6 +192,7 @@ TORCH_LIBRARY(corechat, m) {
     m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor cache_rows, Tensor starts, Tensor ends, "
           "float scale) -> Tensor", attend_rows);
     m.def("paths() -> str[]", paths);
+    m.def("layout() -> (str[], int[])", layout);
 }
 
 }  // namespace corechat
