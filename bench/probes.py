@@ -36,7 +36,7 @@ def load_dev_model(dtype: str):
     model = load_model(model_dir, DTYPES[dtype])
     settings = Settings()
     prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir), Path(settings.kernels_dir),
-                  model_fingerprint(model_dir, tokenizer))
+                  model_fingerprint(model_dir, tokenizer, Path(settings.converted_weights_dir)))
     return model, tokenizer
 
 

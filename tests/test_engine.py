@@ -175,13 +175,13 @@ def test_fingerprint_survives_a_copy_and_changes_with_retrained_weights(tiny_mod
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)
     tokenizer = load_tokenizer(copy)
-    assert model_fingerprint(copy, tokenizer) == model_fingerprint(tiny_model_dir, tokenizer)
-    # Retraining changes every weight; the fingerprint samples the data, so it sees that.
+    hashes = tmp_path / "hashes"
+    assert model_fingerprint(copy, tokenizer, hashes) == model_fingerprint(tiny_model_dir, tokenizer, hashes)
     data = (copy / "model.safetensors").read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
     retrained = data[:header_end] + bytes(byte ^ 1 for byte in data[header_end:])
     (copy / "model.safetensors").write_bytes(retrained)
-    assert model_fingerprint(copy, tokenizer) != model_fingerprint(tiny_model_dir, tokenizer)
+    assert model_fingerprint(copy, tokenizer, hashes) != model_fingerprint(tiny_model_dir, tokenizer, hashes)
 
 
 def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
