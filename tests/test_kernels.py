@@ -6,11 +6,13 @@ cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the repor
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -425,3 +427,58 @@ def test_attention_refuses_rows_without_keys_or_cache():
     for cache_rows, starts, ends in (([0], [4], [4]), ([0], [0], [5]), ([1], [0], [4]), ([0], [2], [1])):
         with pytest.raises(RuntimeError, match="no key|no cache row"):
             attention(query, cache, cache, cache_rows, starts, ends, 1.0)
+
+
+def fake_compiler(folder: Path, version: str, compiling: str = "exit 1") -> Path:
+    """Write a stand-in for g++: it prints `version` for --version and runs `compiling` otherwise."""
+    script = folder / f"g++-{abs(hash(version))}"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "{version}"; exit 0; fi\n{compiling}\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_builds_are_keyed_by_the_compilers_version(monkeypatch, tmp_path):
+    """A virtualenv whose g++ was upgraded builds again: another compiler's library may be other code."""
+    sets = kernels.instruction_sets(kernels.cpu_flags())
+    keys = {kernels.build_key(sets)}
+    for version in ("g++ (Debian 12.2.0-14) 12.2.0", "g++ (Debian 13.1.0-1) 13.1.0"):
+        monkeypatch.setattr(kernels, "COMPILER", str(fake_compiler(tmp_path, version)))
+        keys.add(kernels.build_key(sets))
+    assert len(keys) == 3
+
+
+def test_a_hung_compiler_fails_the_build_within_its_timeout(monkeypatch, tmp_path):
+    """A g++ that never returns is killed at the build's timeout, and the build fails saying so."""
+    pids = tmp_path / "pids"
+    monkeypatch.setattr(kernels, "COMPILER", str(fake_compiler(tmp_path, "hung", f"echo $$ >> {pids}; exec sleep 600")))
+    began = time.monotonic()
+    with pytest.raises(kernels.KernelBuildFailed, match="more than 2 s"):
+        kernels.build(tmp_path / "key", [], timeout_seconds=2)
+    assert time.monotonic() - began < 30
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert started and not any(Path(f"/proc/{pid}").exists() for pid in started), "a hung compiler was left running"
+    assert not list(tmp_path.glob(".key.*")), "the scratch folder was left behind"
+
+
+def test_waiting_for_another_builder_is_bounded(tmp_path):
+    """A worker waiting for a builder that hangs stops waiting with a message naming the lock."""
+    directory = tmp_path / "key"
+    directory.mkdir()
+    with open(directory / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        began = time.monotonic()
+        with pytest.raises(kernels.KernelBuildFailed, match=r"waited 1 s .*\.lock"):
+            kernels.build_once(directory, [], lock_wait_seconds=1)
+        assert 1 <= time.monotonic() - began < 10
+
+
+def test_a_killed_builders_scratch_folder_is_removed_by_the_next_build(tmp_path):
+    """Scratch folders are made under the build lock, so the next holder removes a killed builder's."""
+    directory = tmp_path / "key"
+    directory.mkdir()
+    (directory / kernels.LIBRARY_NAME).write_bytes(b"a library")
+    leftover = tmp_path / ".key.abc123"
+    leftover.mkdir()
+    (leftover / "ops.o").write_bytes(b"half an object")
+    assert kernels.build_once(directory, []) == directory / kernels.LIBRARY_NAME
+    assert not leftover.exists()

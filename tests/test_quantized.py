@@ -79,3 +79,18 @@ def test_a_stale_or_foreign_converted_file_is_converted_again_not_read(model_dir
     assert apply_quantized(model, INT8, model_dir, tmp_path / "converted", FINGERPRINT) == target
     assert stored_metadata(target) == expected
     assert model.lm_head.qweight.shape[0] == model.config.vocab_size
+
+
+def test_a_conversion_that_died_leaves_no_temporary_behind(model_dir, tmp_path):
+    """A worker killed mid-conversion leaves its temporary (hundreds of MB for a real model); the next
+    conversion, under the same lock, removes it. Another model's temporary is left to its own lock."""
+    target = converted_file_for(INT8, model_dir, tmp_path / "converted", FINGERPRINT)
+    dead_writers = [target.with_name(f".{target.name}.{pid}.tmp") for pid in (4242, 4243)]
+    other_model = target.with_name(f".{target.name.replace(FINGERPRINT, 'f' * 16)}.4244.tmp")
+    for temporary in [*dead_writers, other_model]:
+        temporary.write_bytes(b"half a conversion")
+    model = load_model(model_dir, torch.bfloat16)
+    apply_quantized(model, INT8, model_dir, tmp_path / "converted", FINGERPRINT)
+    assert not any(temporary.exists() for temporary in dead_writers)
+    assert other_model.exists()
+    assert sorted(path.name for path in model_dir.glob(".*.tmp")) == [other_model.name]

@@ -235,9 +235,12 @@ def convert(fmt: WeightFormat, model_dir: Path, model, target: Path, fingerprint
                              f"{weight_name} has {source.shape[1]}")
         tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[fmt.name](source)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(temporary), metadata=conversion_metadata(fmt, fingerprint))
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, target)
+    try:
+        save_file(tensors, str(temporary), metadata=conversion_metadata(fmt, fingerprint))
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
@@ -250,6 +253,11 @@ def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Pa
     # different inodes, and so holding one copy each instead of sharing one.
     with open(target.with_name(f".{target.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Every writer converts under this lock, so a temporary found while holding it is a dead
+        # writer's: a worker killed mid-conversion (by the OOM killer, say) leaves hundreds of MB.
+        for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+            log.warning("removing %s, left by a conversion that did not finish", leftover)
+            leftover.unlink(missing_ok=True)
         found = stored_metadata(target)
         if found != conversion_metadata(fmt, fingerprint):
             if target.exists():
