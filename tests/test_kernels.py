@@ -482,3 +482,30 @@ def test_a_killed_builders_scratch_folder_is_removed_by_the_next_build(tmp_path)
     (leftover / "ops.o").write_bytes(b"half an object")
     assert kernels.build_once(directory, []) == directory / kernels.LIBRARY_NAME
     assert not leftover.exists()
+
+
+KERNELS_H_HELPERS = ("padded_blocks", "units_per_row", "weight_unit", "bfloat16_to_float", "float_to_bfloat16",
+                     "float16_to_float", "sum_lanes", "store_output")
+
+
+def test_kernels_h_helpers_are_private_to_each_source_file(tmp_path):
+    """kernels.h's helpers are compiled for several instruction sets: each source file must keep its own
+    copy (a local symbol), or the linker keeps one file's copy (an AVX-512 one, say) for all of them.
+    Built at -O0, so that none is inlined away, a file using every helper exports none of them."""
+    source = tmp_path / "uses_helpers.cpp"
+    source.write_text(
+        '#include "kernels.h"\n'
+        "using namespace corechat;\n"
+        "float use(const Weights& w, Output out, uint16_t bits) {\n"
+        "    float lanes[8] = {};\n"
+        "    store_output(out, 0, 0, bfloat16_to_float(float_to_bfloat16(float16_to_float(bits))));\n"
+        "    return sum_lanes(lanes) + padded_blocks(w.inputs) + units_per_row(w) + *weight_unit(w, 0, 0);\n"
+        "}\n")
+    compiled = tmp_path / "uses_helpers.o"
+    subprocess.run([kernels.COMPILER, "-O0", "-std=c++20", "-Wall", "-Werror", f"-I{kernels.SOURCE_DIR}", "-c",
+                    str(source), "-o", str(compiled)], check=True)
+    symbols = subprocess.run(["nm", "-C", "--defined-only", str(compiled)], capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    defined = {helper: [line.split()[1] for line in symbols if f"::{helper}(" in line] for helper in KERNELS_H_HELPERS}
+    assert all(defined.values()), defined  # each emitted out of line, so its binding shows
+    assert all(kind == "t" for kinds in defined.values() for kind in kinds), defined
