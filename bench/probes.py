@@ -43,7 +43,8 @@ def load_prepared_dev_model(dtype: str):
     model = load_model(model_dir, DTYPES[dtype])
     settings = Settings()
     prepared = prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir),
-                             Path(settings.kernels_dir), model_fingerprint(model_dir, tokenizer))
+                             Path(settings.kernels_dir),
+                             model_fingerprint(model_dir, tokenizer, Path(settings.converted_weights_dir)))
     return model, tokenizer, prepared
 
 

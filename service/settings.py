@@ -244,7 +244,8 @@ class Settings(BaseSettings):
     )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
-        description="Where DTYPE=int8 or int4 writes its converted weights when the model folder is read-only.",
+        description="Where DTYPE=int8 or int4 writes its converted weights, and every DTYPE keeps the weight "
+        "files' hashes (the model's fingerprint), when the model folder is read-only.",
     )
     kernels_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "kernels"),

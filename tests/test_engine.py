@@ -1,5 +1,6 @@
 """The engine on the tiny model: determinism, seeds, limits, cancellation and the queue."""
 
+import dataclasses
 import sys
 import threading
 import time
@@ -174,13 +175,13 @@ def test_fingerprint_survives_a_copy_and_changes_with_retrained_weights(tiny_mod
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)
     tokenizer = load_tokenizer(copy)
-    assert model_fingerprint(copy, tokenizer) == model_fingerprint(tiny_model_dir, tokenizer)
-    # Retraining changes every weight; the fingerprint samples the data, so it sees that.
+    hashes = tmp_path / "hashes"
+    assert model_fingerprint(copy, tokenizer, hashes) == model_fingerprint(tiny_model_dir, tokenizer, hashes)
     data = (copy / "model.safetensors").read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
     retrained = data[:header_end] + bytes(byte ^ 1 for byte in data[header_end:])
     (copy / "model.safetensors").write_bytes(retrained)
-    assert model_fingerprint(copy, tokenizer) != model_fingerprint(tiny_model_dir, tokenizer)
+    assert model_fingerprint(copy, tokenizer, hashes) != model_fingerprint(tiny_model_dir, tokenizer, hashes)
 
 
 def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
@@ -195,6 +196,84 @@ def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
         assert engine.facts.parameters == exact.facts.parameters > 0
     finally:
         exact.stop()
+
+
+POISONED_WORD = "Hello"
+
+
+@pytest.fixture(scope="module")
+def poisoned_engine(make_settings, tiny_model_dir, tmp_path_factory):
+    """Return a started int8 engine on a copy of the tiny model whose embedding of POISONED_WORD is NaN,
+    its output layer untied from the embedding so that only a sequence reading that word meets the NaN."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from service.engine.loading import load_tokenizer
+
+    copy = tmp_path_factory.mktemp("poisoned") / "model"
+    shutil.copytree(tiny_model_dir, copy, ignore=shutil.ignore_patterns("corechat-*", ".*"))
+    config = json.loads((copy / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (copy / "config.json").write_text(json.dumps(config))
+    tensors = load_file(copy / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone()
+    [poisoned_id] = load_tokenizer(copy).encode(POISONED_WORD)
+    embedding[poisoned_id] = float("nan")
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    engine = Engine(make_settings(model=str(copy), max_model_len=256, prefix_cache_mb=0))
+    engine.start()
+    assert engine.wait_ready(120), engine.facts
+    engine.poisoned_id = poisoned_id
+    yield engine
+    engine.stop()
+
+
+def events_of(generation) -> tuple[str, list]:
+    """Read a generation to its end; return its text and its events."""
+    events = list(generation.events())
+    return "".join(event.text for event in events if isinstance(event, TextDelta)), events
+
+
+def test_a_sequence_whose_numbers_blow_up_fails_alone_instead_of_writing_text(poisoned_engine):
+    """NaN activations reach the logits through the int8 kernels and fail the sequence that meets them
+    with NonFiniteLogits, in its prompt pass or in a decode step, while a sequence beside it in the
+    same batch finishes."""
+    engine, poisoned_id = poisoned_engine, poisoned_engine.poisoned_id
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    clean_prompt = [100, 200, 300, 400]
+    # The prompt holds the NaN token: its prompt pass fails it.
+    in_prompt = engine.submit([100, 200, poisoned_id, 400], greedy)
+    beside_prompt = engine.submit(clean_prompt, greedy)
+    text, events = events_of(in_prompt)
+    assert events[-1] == Failed("generation failed: NonFiniteLogits") and text == ""
+    assert events_of(beside_prompt)[1][-1].completion_tokens == 12
+    # Biased to pick the NaN token first (from finite logits): the decode step that reads it fails
+    # that row alone, greedy or drawn.
+    for params in (greedy, SamplingParams(max_tokens=12, temperature=1.0, seed=5)):
+        picks_it = engine.submit(clean_prompt, dataclasses.replace(params, logit_bias=((poisoned_id, 100.0),)))
+        beside = engine.submit(clean_prompt, dataclasses.replace(params, max_tokens=40))
+        _, events = events_of(picks_it)
+        assert events[-1] == Failed("generation failed: NonFiniteLogits")
+        assert sum(isinstance(event, TextDelta) for event in events) <= 1  # the NaN token's own text, at most
+        assert events_of(beside)[1][-1].completion_tokens == 40
+
+
+def test_a_reply_whose_numbers_blow_up_is_an_error_over_http(make_settings, poisoned_engine):
+    """The client gets a 500 internal_error naming the fault, not text; a clean prompt gets its reply."""
+    app = create_app(make_settings(model=poisoned_engine.settings.model, max_model_len=256), engine=poisoned_engine)
+    client = app.test_client()
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    poisoned = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": POISONED_WORD}]},
+                           headers={"Cache-Control": "no-store"})
+    assert poisoned.status_code == 500
+    assert poisoned.json["error"]["code"] == "internal_error"
+    assert "NonFiniteLogits" in poisoned.json["error"]["message"]
+    clean = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Good morning"}]},
+                        headers={"Cache-Control": "no-store"})
+    assert clean.status_code == 200 and clean.json["choices"][0]["message"]["content"]
 
 
 def test_stopping_the_engine_ends_queued_and_running_generations(make_settings):

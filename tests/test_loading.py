@@ -122,3 +122,61 @@ def test_models_loading_at_once_leave_the_default_dtype_alone(tiny_model_dir):
     for thread in threads:
         thread.join()
     assert torch.get_default_dtype() == torch.float32
+
+
+def model_copy(tiny_model_dir, folder):
+    """Copy the tiny model into `folder` (no converted file, no kept hash); return it."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, folder, ignore=shutil.ignore_patterns("corechat-*", ".*"))
+    return folder
+
+
+def flip_byte(path, offset: int) -> None:
+    """Change one byte of a file in place."""
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_models_differing_in_one_byte_have_different_fingerprints(tiny_model_dir, tmp_path):
+    """A fine-tune that changes one weight byte, where the old fingerprint's 64 KiB samples every 8 MiB
+    never looked, is another model: its converted weights and cached replies are its own."""
+    from service.engine.loading import load_tokenizer, model_fingerprint
+
+    base = model_copy(tiny_model_dir, tmp_path / "base")
+    tuned = model_copy(tiny_model_dir, tmp_path / "tuned")
+    tokenizer = load_tokenizer(base)
+    size = (tuned / "model.safetensors").stat().st_size
+    unsampled = 8 * 1024 * 1024 + 64 * 1024 + 12345
+    assert size > unsampled + 1
+    flip_byte(tuned / "model.safetensors", unsampled)
+    assert model_fingerprint(base, tokenizer, tmp_path / "hashes") != model_fingerprint(tuned, tokenizer, tmp_path / "hashes")
+
+
+def test_a_weight_files_hash_is_kept_until_the_file_changes(tiny_model_dir, tmp_path):
+    """A restart reads the kept hash instead of reading the weights again (shown by a hash planted in
+    the sidecar being used); a file whose mtime or bytes change is hashed again."""
+    import hashlib
+
+    from service.engine.loading import HASH_SIDECAR_SUFFIX, file_sha256
+
+    model = model_copy(tiny_model_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    real = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert file_sha256(weights, tmp_path / "hashes") == real
+    sidecar = model / f".model.safetensors{HASH_SIDECAR_SUFFIX}"
+    kept = json.loads(sidecar.read_text())
+    assert kept["sha256"] == real and kept["identity"]["size"] == weights.stat().st_size
+    planted = "0" * 64
+    sidecar.write_text(json.dumps({**kept, "sha256": planted}))
+    assert file_sha256(weights, tmp_path / "hashes") == planted
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    assert file_sha256(weights, tmp_path / "hashes") == real
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "sha256": planted}))
+    mtime = weights.stat().st_mtime_ns
+    flip_byte(weights, 1000)
+    os.utime(weights, ns=(mtime, mtime))  # a write in place that puts the mtime back
+    assert file_sha256(weights, tmp_path / "hashes") == hashlib.sha256(weights.read_bytes()).hexdigest() != real

@@ -8,6 +8,8 @@ import torch
 from service.engine.sampling import (
     CANDIDATES,
     GREEDY_BELOW_TEMPERATURE,
+    NO_TOKEN,
+    NonFiniteLogits,
     Sampler,
     SamplingParams,
     biased,
@@ -160,12 +162,28 @@ def test_logit_bias_is_added_to_its_own_row_alone_in_one_batch():
     assert biased(samplers[1:2], unbiased) is unbiased  # no row with a bias: no copy
 
 
-def test_non_finite_logits_raise_instead_of_drawing():
-    logits = torch.zeros(2, 10)
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "drawn"])
+def test_a_row_with_non_finite_logits_gets_no_token_and_fails_alone(temperature):
+    """A NaN anywhere in a row, or an infinite largest logit, gives that row no token (argmax would take
+    the NaN's index): its sampler raises NonFiniteLogits when the scheduler records the token, and the
+    other rows, one with forbidden (-inf) tokens among them, take the tokens they take alone."""
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(3))
     logits[1, 3] = float("nan")
-    samplers = [Sampler(SamplingParams(max_tokens=1, temperature=1.0, seed=1), 10) for _ in range(2)]
-    with pytest.raises(ValueError, match="not finite"):
-        sample_tokens(samplers, logits)
+    logits[2, 7] = float("inf")
+    logits[3, :5] = float("-inf")
+
+    def samplers(count: int) -> list[Sampler]:
+        return [Sampler(SamplingParams(max_tokens=2, temperature=temperature, seed=1), 10) for _ in range(count)]
+
+    rows = samplers(4)
+    tokens = sample_tokens(rows, logits)
+    assert tokens[1] == tokens[2] == NO_TOKEN
+    assert [tokens[0], tokens[3]] == [sample_tokens(samplers(1), logits[row:row + 1])[0] for row in (0, 3)]
+    for row in (1, 2):
+        with pytest.raises(NonFiniteLogits, match="not finite"):
+            rows[row].record(tokens[row])
+    rows[0].record(tokens[0])
+    assert rows[0].position == 1
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():

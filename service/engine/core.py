@@ -185,7 +185,7 @@ class Engine:
         self.model = load_model(self.model_dir, dtype)
         # Counted before quantizing turns the Linear weights into buffers, which parameters() skips.
         parameters = sum(p.numel() for p in self.model.parameters())
-        files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer)
+        files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer, Path(self.settings.converted_weights_dir))
         prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
                                  Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take)
         weight_format = prepared.weight_format

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -28,13 +29,17 @@ from .loading import map_safetensors, safetensors_files
 
 log = logging.getLogger(__name__)
 
-# Part of the converted file's name: bump it whenever what a format writes changes, so a file
-# written by another version is never read as this one's.
+# Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
+# a file written by another version is never read as this one's.
 FORMAT_VERSION = 3
+# The layout the kernels read (kernels.h: kBlock, kInterleave, kUnitBytes), which the converter
+# writes: check_layout holds them to the loaded kernels' own, and the converted file's name and
+# metadata carry them, so a file of another layout is never read.
 GROUP = 32
-# Rows whose 32-byte units the converted file puts side by side (kernels.h: kInterleave, kUnitBytes).
+# Rows whose 32-byte units the converted file puts side by side.
 INTERLEAVE = 4
 UNIT_BYTES = 32
+LAYOUT_TOKEN = f"i{INTERLEAVE}u{UNIT_BYTES}g{GROUP}"
 WEIGHT_SUFFIX = ".qweight"
 SCALE_SUFFIX = ".qscale"
 OUTPUT_LAYER = "lm_head.weight"
@@ -55,6 +60,27 @@ INT8 = WeightFormat("int8", 0, "int8 weights with a float32 scale per row", GROU
 INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", 2 * GROUP)
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
 ACTIVATIONS = "activations rounded to int8 per block of 32"
+# What torch.ops.corechat.layout() must report for this module's files to be read right.
+LAYOUT = {"block": GROUP, "interleave": INTERLEAVE, "unit_bytes": UNIT_BYTES, "int8_rows": INT8.code,
+          "int4_groups": INT4.code}
+
+
+class LayoutMismatch(RuntimeError):
+    """The loaded kernels read another weight layout than this module writes."""
+
+
+def kernels_layout() -> dict[str, int]:
+    """Return the layout the loaded kernels read, by name (torch.ops.corechat.layout())."""
+    names, values = torch.ops.corechat.layout()
+    return dict(zip(names, values, strict=True))
+
+
+def check_layout() -> None:
+    """Raise LayoutMismatch unless the loaded kernels read the layout this module writes."""
+    read = kernels_layout()
+    if read != LAYOUT:
+        raise LayoutMismatch(f"corechat's kernels read the layout {read}, but service/engine/quantized.py "
+                             f"writes {LAYOUT}: the two must change together")
 
 
 class QuantizedLinear(nn.Module):
@@ -166,15 +192,35 @@ def quantized_weight_names(model) -> dict[str, str]:
     return names
 
 
+def conversion_metadata(fmt: WeightFormat, fingerprint: str) -> dict[str, str]:
+    """Return the metadata a converted file of this format, version and layout, for this model, holds."""
+    return {"format": fmt.name, "version": str(FORMAT_VERSION), "layout": LAYOUT_TOKEN, "fingerprint": fingerprint}
+
+
+def stored_metadata(path: Path) -> dict[str, str] | None:
+    """Return a safetensors file's metadata ({} where it has none), or None where it is missing or unreadable."""
+    try:
+        with safe_open(path, "pt") as file:
+            return file.metadata() or {}
+    except (OSError, SafetensorError):
+        return None
+
+
+def holds_conversion(path: Path, fmt: WeightFormat, fingerprint: str) -> bool:
+    """Tell whether a file is this version's conversion of this model to this format and layout."""
+    return stored_metadata(path) == conversion_metadata(fmt, fingerprint)
+
+
 def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
-    """Return where a model's converted weights live: beside it, or in the converted folder if it is read-only."""
-    beside = model_dir / f"corechat-{fmt.name}-v{FORMAT_VERSION}-{fingerprint}.safetensors"
-    if beside.is_file() or os.access(model_dir, os.W_OK):
+    """Return where a model's converted weights live: beside it, or in the converted folder if it is
+    read-only and holds no good conversion."""
+    beside = model_dir / f"corechat-{fmt.name}-v{FORMAT_VERSION}-{LAYOUT_TOKEN}-{fingerprint}.safetensors"
+    if os.access(model_dir, os.W_OK) or holds_conversion(beside, fmt, fingerprint):
         return beside
     return converted_dir / beside.name
 
 
-def convert(fmt: WeightFormat, model_dir: Path, model, target: Path) -> None:
+def convert(fmt: WeightFormat, model_dir: Path, model, target: Path, fingerprint: str) -> None:
     """Write the quantized weights and scales of every Linear (the output layer included) to one file."""
     state = {}
     for path in safetensors_files(model_dir):
@@ -189,13 +235,17 @@ def convert(fmt: WeightFormat, model_dir: Path, model, target: Path) -> None:
                              f"{weight_name} has {source.shape[1]}")
         tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[fmt.name](source)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(temporary), metadata={"format": fmt.name, "version": str(FORMAT_VERSION)})
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, target)
+    try:
+        save_file(tensors, str(temporary), metadata=conversion_metadata(fmt, fingerprint))
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
     """Swap every Linear of a loaded bf16 model for a QuantizedLinear over the mapped converted file (kernels loaded)."""
+    check_layout()
     target = converted_file_for(fmt, model_dir, converted_dir, fingerprint)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Workers start together: one converts while the others wait, then all map the same file.
@@ -203,9 +253,19 @@ def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Pa
     # different inodes, and so holding one copy each instead of sharing one.
     with open(target.with_name(f".{target.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
+        # Every writer converts under this lock, so a temporary found while holding it is a dead
+        # writer's: a worker killed mid-conversion (by the OOM killer, say) leaves hundreds of MB.
+        for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+            log.warning("removing %s, left by a conversion that did not finish", leftover)
+            leftover.unlink(missing_ok=True)
+        found = stored_metadata(target)
+        if found != conversion_metadata(fmt, fingerprint):
+            if target.exists():
+                # Another version's, another model's, or a truncated file: read as this one, it would be garbage.
+                log.warning("%s holds no conversion of this model by this corechat (metadata %s); converting again",
+                            target, found)
             log.info("converting the weights to %s once, into %s", fmt.name, target)
-            convert(fmt, model_dir, model, target)
+            convert(fmt, model_dir, model, target, fingerprint)
     tensors = map_safetensors(target)
     for module_name, weight_name in quantized_weight_names(model).items():
         parent_name, _, child = module_name.rpartition(".")

@@ -22,6 +22,13 @@ SAMPLER_VERSION = 2
 BUCKETS = 1 << 15
 # Most rows' kept tokens are among this many most likely ones; the others need their whole row.
 CANDIDATES = 256
+# What sample_tokens returns for a row whose logits are not finite: no vocabulary's id, so it can
+# never pass for text.
+NO_TOKEN = -1
+
+
+class NonFiniteLogits(ValueError):
+    """A row's logits hold NaN or an infinite maximum: the model's numbers blew up, so no token is right."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class Sampler:
     # logit_bias as tensors, built once: the ids it moves and by how much.
     bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
     bias_values: torch.Tensor | None = field(init=False, default=None, repr=False)
+    # Set by sample_tokens when this row's logits were not finite; record raises it.
+    failure: NonFiniteLogits | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self, prompt_ids: Sequence[int]):
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
@@ -114,7 +123,10 @@ class Sampler:
         return (step_seed(self.seed, self.position) >> 10) * 2.0**-53
 
     def record(self, token_id: int) -> None:
-        """Move past a token of the reply (sampled or forced), counting it for the penalties."""
+        """Move past a token of the reply (sampled or forced), counting it for the penalties; raise the
+        row's NonFiniteLogits instead where sample_tokens found no token for it."""
+        if self.failure is not None:
+            raise self.failure
         self.position += 1
         if self.output_counts is not None and token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
@@ -143,12 +155,20 @@ def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int
     """Return each row's next token from `logits` [rows, vocab], row i taken by samplers[i].
 
     Rows are computed together, but every operation works within a row, so a row's token never
-    depends on the other rows or on how many there are.
+    depends on the other rows or on how many there are. A row whose logits are not finite gets
+    NO_TOKEN and its sampler a NonFiniteLogits, which its record raises: the scheduler fails that
+    sequence alone (greedy or drawn), and the other rows take their tokens.
     """
     logits = penalized(samplers, logits.float())
-    tokens = [0] * len(samplers)
-    greedy = [row for row, sampler in enumerate(samplers) if sampler.params.greedy]
-    drawn = [row for row, sampler in enumerate(samplers) if not sampler.params.greedy]
+    tokens = [NO_TOKEN] * len(samplers)
+    # A NaN anywhere in a row, or an infinite largest logit, makes the row's maximum non-finite;
+    # argmax would return the NaN's index as if it were the likeliest token.
+    finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+    for row, sampler in enumerate(samplers):
+        if not finite[row]:
+            sampler.failure = NonFiniteLogits("the model's logits are not finite (NaN or infinite)")
+    greedy = [row for row, sampler in enumerate(samplers) if finite[row] and sampler.params.greedy]
+    drawn = [row for row, sampler in enumerate(samplers) if finite[row] and not sampler.params.greedy]
     if greedy:
         for row, token in zip(greedy, torch.argmax(take_rows(logits, greedy), dim=-1).tolist()):
             tokens[row] = token
@@ -239,12 +259,10 @@ def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor
 
 
 def draw(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
-    """Draw each row's token from softmax(logits / temperature), restricted to its top-k and top-p tokens."""
+    """Draw each row's token from softmax(logits / temperature), restricted to its top-k and top-p tokens
+    (every row's largest logit finite: sample_tokens sets the other rows aside)."""
     rows, vocab = logits.shape
     maxima = logits.amax(dim=-1, keepdim=True)
-    # A NaN anywhere in a row, or an infinite largest logit, makes the maximum non-finite.
-    if not torch.isfinite(maxima).all():
-        raise ValueError("logits are not finite")
     temperatures = torch.tensor([[sampler.params.temperature] for sampler in samplers], dtype=torch.float32)
     # Shifted so the largest is 0: a small temperature then sends the others towards -inf
     # instead of overflowing the largest to inf (inf - inf is NaN inside softmax).

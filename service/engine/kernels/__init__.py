@@ -1,9 +1,9 @@
 """corechat's C++ kernels (quantized products, decode attention), built from source for this CPU.
 
 The sources in csrc/ compile with the system's g++ against the installed torch into one shared
-library that registers torch.ops.corechat. A build is keyed by the sources, torch's version and
-the instruction sets this CPU has, so a virtualenv copied to another CPU builds again instead of
-dying on an illegal instruction. `make setup` and deploy/install.sh build into the virtualenv
+library that registers torch.ops.corechat. A build is keyed by the sources, torch's version, the
+compiler's and the instruction sets this CPU has, so a virtualenv copied to another CPU builds
+again instead of dying on an illegal instruction. `make setup` and deploy/install.sh build into the virtualenv
 (`python -m service.engine.kernels`); a worker that finds no build for its CPU there builds one,
 into the virtualenv if it may write there, else into the fallback folder it is given.
 """
@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,11 @@ AVX512_VNNI = InstructionSet(
 INSTRUCTION_SETS = (AVX2, AVX512_VNNI)
 # Numbers of torch.ops.corechat.quantized_linear's `path` argument.
 PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3}
+# A build runs while every worker of the host waits for it: a g++ that hangs must fail the build,
+# not the whole service, and a builder that hangs where no timeout reaches must not hold the others
+# forever. The bounds are far above a build's time on a small machine.
+BUILD_TIMEOUT_SECONDS = 900
+LOCK_WAIT_SECONDS = BUILD_TIMEOUT_SECONDS + 120
 
 class KernelBuildFailed(RuntimeError):
     """The kernels could not be compiled or loaded on this machine."""
@@ -82,12 +88,24 @@ def instruction_sets(flags: set[str]) -> list[InstructionSet]:
     return [isa for isa in INSTRUCTION_SETS if set(isa.cpu_flags) <= flags]
 
 
+@functools.cache
+def compiler_version(compiler: str) -> str:
+    """Return what `compiler --version` prints (its release: another g++ may compile the same sources
+    to other code)."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildFailed(f"`{compiler} --version` failed ({exc}); corechat's kernels are built and "
+                                "looked up with g++ (Debian: apt-get install g++)") from exc
+
+
 def build_key(sets: list[InstructionSet]) -> str:
-    """Hash what decides the library: its sources, torch, the paths compiled and their flags."""
+    """Hash what decides the library: its sources, torch, the compiler, the paths compiled and their flags."""
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(f"{torch.__version__}|{platform.machine()}|{COMMON_FLAGS}|{OPS_FLAGS}|{LINK_LIBRARIES}".encode())
+    digest.update(compiler_version(COMPILER).encode())
     for isa in sets:
         digest.update(f"|{isa.name}:{isa.compiler_flags}".encode())
     return digest.hexdigest()[:16]
@@ -118,24 +136,71 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list
     return compiles, link
 
 
-def build(target: Path, sets: list[InstructionSet]) -> None:
-    """Compile the sources (in parallel) into target/LIBRARY_NAME, replacing it atomically."""
+def build(target: Path, sets: list[InstructionSet], timeout_seconds: float = BUILD_TIMEOUT_SECONDS) -> None:
+    """Compile the sources (in parallel) into target/LIBRARY_NAME, replacing it atomically; a build
+    that takes longer than timeout_seconds is killed and fails."""
     target.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_seconds
+    too_slow = KernelBuildFailed(f"building corechat's kernels took more than {timeout_seconds:g} s and was "
+                                 f"stopped; is {COMPILER} hanging?")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as scratch:
         scratch_dir = Path(scratch)
         compiles, link = _compile_commands(scratch_dir, sets)
         processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for command in compiles]
         failures = []
-        for command, process in zip(compiles, processes, strict=True):
-            output = process.communicate()[0].decode(errors="replace")
-            if process.returncode != 0:
-                failures.append(f"{' '.join(command)}\n{output}")
+        try:
+            for command, process in zip(compiles, processes, strict=True):
+                output = process.communicate(timeout=max(0.0, deadline - time.monotonic()))[0].decode(errors="replace")
+                if process.returncode != 0:
+                    failures.append(f"{' '.join(command)}\n{output}")
+        except subprocess.TimeoutExpired:
+            raise too_slow from None
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         if failures:
             raise KernelBuildFailed("compiling corechat's kernels failed:\n" + "\n".join(failures))
-        result = subprocess.run(link, capture_output=True, text=True)
+        try:
+            result = subprocess.run(link, capture_output=True, text=True, timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise too_slow from None
         if result.returncode != 0:
             raise KernelBuildFailed(f"linking corechat's kernels failed:\n{' '.join(link)}\n{result.stdout}{result.stderr}")
         os.replace(scratch_dir / LIBRARY_NAME, target / LIBRARY_NAME)
+
+
+def wait_for_lock(lock, wait_seconds: float, holder: str) -> None:
+    """Take an exclusive flock on an open file, waiting at most wait_seconds for `holder` to let it go."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise KernelBuildFailed(f"waited {wait_seconds:g} s for {holder} to finish; if nothing is building, "
+                                        f"remove {lock.name}") from None
+            time.sleep(0.2)
+
+
+def build_once(directory: Path, sets: list[InstructionSet], *, build_timeout_seconds: float = BUILD_TIMEOUT_SECONDS,
+               lock_wait_seconds: float = LOCK_WAIT_SECONDS) -> Path:
+    """Build into `directory` unless it holds the library already, one process at a time; return the library."""
+    directory.mkdir(parents=True, exist_ok=True)
+    # Workers start together: one builds while the others wait for its library.
+    with open(directory / ".lock", "w") as lock:
+        wait_for_lock(lock, lock_wait_seconds, f"another process building corechat's kernels into {directory}")
+        # build() makes its scratch folders under this lock: one found while holding it is a killed builder's.
+        for leftover in directory.parent.glob(f".{directory.name}.*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        if not (directory / LIBRARY_NAME).is_file():
+            began = time.monotonic()
+            log.info("building corechat's kernels for %s into %s", [isa.name for isa in sets] or ["reference"], directory)
+            build(directory, sets, build_timeout_seconds)
+            log.info("kernels built in %.1f s", time.monotonic() - began)
+    return directory / LIBRARY_NAME
 
 
 def _writable(directory: Path) -> bool:
@@ -157,17 +222,7 @@ def ensure_built(fallback_dir: Path | None = None) -> Path:
     if not writable:
         raise KernelBuildFailed(f"no build of corechat's kernels for this CPU in {candidates} and none of them "
                                 "is writable; run `python -m service.engine.kernels` as their owner")
-    directory = writable[0]
-    directory.mkdir(parents=True, exist_ok=True)
-    # Workers start together: one builds while the others wait for its library.
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (directory / LIBRARY_NAME).is_file():
-            began = time.monotonic()
-            log.info("building corechat's kernels for %s into %s", [isa.name for isa in sets] or ["reference"], directory)
-            build(directory, sets)
-            log.info("kernels built in %.1f s", time.monotonic() - began)
-    return directory / LIBRARY_NAME
+    return build_once(writable[0], sets)
 
 
 @functools.cache

@@ -4,7 +4,9 @@
 // of rows, the tile shapes or the threads, so a row's result never depends on the rest of its batch
 // and every path gives the reference's bits exactly:
 //   - activations are rounded to int8 in blocks of 32 (one float scale s_x each, round half to
-//     even); int4 products also take n = float(8 * sum of the block's int8 values);
+//     even); int4 products also take n = float(8 * sum of the block's int8 values); a block
+//     holding NaN or inf has s_x = NaN (its values 0), which makes every output of its row NaN;
+//     a block whose s_x = largest magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
 //   - within a block, lane j (0..7) of an 8-lane accumulator takes the exact integer sum over
 //     elements 4j..4j+3 of stored weight times activation, blocks in order:
 //       int8 rows:   acc[j] = fma(float(sum), s_x, acc[j])
@@ -15,19 +17,33 @@
 //     sum(acc) - sum(corr); then plus the bias, rounded to the output type.
 // Per-block scales (activations' and int4 weights') are stored padded with zeros to a multiple
 // of 8 blocks per row (padded_blocks), so SIMD code reads them 8 at a time without a tail.
+//
+// The helpers defined here are compiled into source files built for different instruction sets
+// (reference.cpp for any x86-64, avx2.cpp, avx512_vnni.cpp). They live
+// in an unnamed namespace, so each file keeps its own copy: as plain `inline` functions they would
+// be one function to the linker, which would keep one file's copy (an AVX-512 one, say) for all of
+// them, the reference's included.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace corechat {
 
 constexpr int64_t kBlock = 32;  // activation block and int4 weight group, in elements
+static_assert(kBlock == 8 * 4, "a block is 8 lanes of 4 elements");
 
 enum WeightFormat : int { kInt8Rows = 0, kInt4Groups = 1 };
 
-inline int64_t padded_blocks(int64_t cols) { return (cols / kBlock + 7) / 8 * 8; }
+namespace {
+
+constexpr int64_t padded_blocks(int64_t cols) { return (cols / kBlock + 7) / 8 * 8; }
+static_assert(padded_blocks(kBlock) == 8 && padded_blocks(8 * kBlock) == 8 && padded_blocks(9 * kBlock) == 16,
+              "scales are stored 8 blocks at a time");
+
+}  // namespace
 
 // Activations rounded to int8 per block: the values, one scale per block and the int4 n.
 struct QuantizedRows {
@@ -49,6 +65,7 @@ struct QuantizedRows {
 //           [padded rows, padded_blocks(inputs)] (one per group).
 constexpr int64_t kInterleave = 4;
 constexpr int64_t kUnitBytes = 32;
+static_assert(kUnitBytes == kBlock, "a unit is one block of int8 weights, or two groups' int4 nibbles");
 
 struct Weights {
     int format;
@@ -58,6 +75,8 @@ struct Weights {
     int64_t inputs;
 };
 
+namespace {
+
 inline int64_t units_per_row(const Weights& w) { return w.format == kInt8Rows ? w.inputs / kBlock : w.inputs / (2 * kBlock); }
 
 // The 32 bytes of unit `unit` of row `row`; the next unit of the row is kInterleave units on.
@@ -65,6 +84,8 @@ inline const uint8_t* weight_unit(const Weights& w, int64_t row, int64_t unit) {
     const int64_t index = ((row / kInterleave) * units_per_row(w) + unit) * kInterleave + row % kInterleave;
     return static_cast<const uint8_t*>(w.data) + index * kUnitBytes;
 }
+
+}  // namespace
 
 // Where a product writes: rows x outputs, float32 or bfloat16, row stride `stride` elements.
 struct Output {
@@ -124,6 +145,11 @@ void attend_reference(const PagedAttention&, int64_t, int64_t);
 void attend_avx2(const PagedAttention&, int64_t, int64_t);
 void attend_avx512(const PagedAttention&, int64_t, int64_t);
 
+static_assert(sizeof(float) == 4 && std::numeric_limits<float>::is_iec559,
+              "the conversions below move IEEE binary32 bits");
+
+namespace {
+
 inline float bfloat16_to_float(uint16_t bits) {
     uint32_t widened = static_cast<uint32_t>(bits) << 16;
     float value;
@@ -176,8 +202,6 @@ inline void store_output(Output out, int64_t row, int64_t column, float value) {
         static_cast<float*>(out.data)[row * out.stride + column] = value;
     }
 }
-
-namespace {
 
 // The 16 lanes of attention.inc added in one fixed tree: lanes i and i + 8 first, then as sum_lanes.
 inline float sum_sixteen(const float lanes[16]) {

@@ -40,11 +40,13 @@ inline const uint16_t* bits(const at::Tensor& tensor) {
 inline uint16_t* mutable_bits(at::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr()); }
 
 void check_matrix(const at::Tensor& tensor, const char* name) {
+    check_cpu(tensor, name);
     TORCH_CHECK(tensor.dim() == 2 && tensor.is_contiguous() && tensor.scalar_type() == at::kBFloat16, name,
                 " must be a contiguous bfloat16 matrix");
 }
 
 void check_vector(const at::Tensor& tensor, int64_t size, const char* name) {
+    check_cpu(tensor, name);
     TORCH_CHECK(tensor.dim() == 1 && tensor.is_contiguous() && tensor.scalar_type() == at::kBFloat16 &&
                 tensor.size(0) == size, name, " must be a contiguous bfloat16 vector of ", size);
 }
@@ -64,6 +66,7 @@ void norm_row(const uint16_t* x, const uint16_t* weight, int64_t width, float ep
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
     check_matrix(input, "input");
     const int64_t rows = input.size(0), width = input.size(1);
+    TORCH_CHECK(width > 0, "input rows must have a width above 0");
     check_vector(weight, width, "weight");
     at::Tensor output = at::empty_like(input);
     const uint16_t *x = bits(input), *w = bits(weight);
@@ -137,18 +140,18 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
                                          const std::vector<int64_t>& outputs, int64_t format, const at::Tensor& cos,
                                          const at::Tensor& sin, int64_t head_dim) {
     const Products products(weights, scales, biases, outputs, format, 3, "attention_inputs");
+    check_matrix(hidden, "hidden");
     check_matrix(cos, "cos");
     check_matrix(sin, "sin");
     TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ",
                 kMaxHeadDim);
     TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == hidden.size(0) && cos.size(1) == head_dim,
                 "cos and sin must be [rows, head_dim]");
+    for (size_t index = 0; index < 3; ++index)
+        TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
     const at::Tensor states = rms_norm(hidden, norm_weight, eps);
     std::vector<at::Tensor> results;
-    for (size_t index = 0; index < 3; ++index) {
-        results.push_back(products.apply(index, states));
-        TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
-    }
+    for (size_t index = 0; index < 3; ++index) results.push_back(products.apply(index, states));
     rotate(results[0], head_dim, cos, sin);
     rotate(results[1], head_dim, cos, sin);
     return results;
@@ -163,8 +166,12 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     const Products products(weights, scales, biases, outputs, format, 4, "mlp");
     check_matrix(hidden, "hidden");
     check_matrix(attended, "attended");
+    // add_into walks the sum's elements over its addend's: every operand of a sum must be hidden's shape.
+    TORCH_CHECK(attended.size(0) == hidden.size(0), "attended must have hidden's rows");
+    TORCH_CHECK(outputs[0] == hidden.size(1) && outputs[3] == hidden.size(1),
+                "the output and down products must give hidden's width, ", hidden.size(1));
+    TORCH_CHECK(outputs[1] == outputs[2], "the gate and up products must have the same width");
     at::Tensor sum = products.apply(0, attended);
-    TORCH_CHECK(sum.sizes() == hidden.sizes(), "the output product must give hidden's shape");
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
     const at::Tensor states = rms_norm(sum, norm_weight, eps);

@@ -1,4 +1,6 @@
-// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .paged_attention, .page_layout and .paths. Each output column (and each attention row) is computed whole by one thread, so the
+// The torch operators over the kernels: torch.ops.corechat.quantized_linear, .paged_attention, .paths,
+// .layout, .page_layout and .peak_multiply_adds. Each output column (and each attention row) is
+// computed whole by one thread, so the
 // thread count never changes a result either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -8,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -75,18 +78,34 @@ std::vector<std::string> paths() {
     return names;
 }
 
+// The weight layout the kernels read (kernels.h), which the Python converter must write: it checks
+// its own constants against these when it loads. Names and values side by side (a Dict return
+// trips a warning inside torch's headers).
+std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
+    return {{"block", "interleave", "unit_bytes", "int8_rows", "int4_groups"},
+            {kBlock, kInterleave, kUnitBytes, kInt8Rows, kInt4Groups}};
+}
+
 }  // namespace
+
+void check_cpu(const at::Tensor& tensor, const char* name) {
+    TORCH_CHECK(tensor.is_cpu(), name, " must be a CPU tensor, not one on ", tensor.device());
+}
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path) {
+    check_cpu(input, "input");
+    check_cpu(weight, "weight");
+    check_cpu(scales, "scales");
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
                 "input must be bfloat16 or float32");
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
                 "weight and scales must be contiguous");
     const int64_t rows = input.size(0), inputs = input.size(1), stored = weight.size(0);
-    TORCH_CHECK(inputs % kBlock == 0, "the input width must be a multiple of ", kBlock);
+    // A width of 0 would divide by zero when the rows are shared among threads.
+    TORCH_CHECK(inputs > 0 && inputs % kBlock == 0, "the input width must be a positive multiple of ", kBlock);
     TORCH_CHECK(outputs > 0 && stored == (outputs + kInterleave - 1) / kInterleave * kInterleave,
                 "weight must hold the outputs padded to a multiple of ", kInterleave, " rows");
     if (format == kInt8Rows) {
@@ -101,6 +120,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     }
     const float* bias_data = nullptr;
     if (bias.has_value()) {
+        check_cpu(*bias, "bias");
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == outputs,
                     "bias must be float32 [outputs]");
         bias_data = bias->data_ptr<float>();
@@ -265,6 +285,7 @@ TORCH_LIBRARY(corechat, m) {
     m.def("page_layout() -> int[]", page_layout);
     m.def("peak_multiply_adds(int path, int iterations, int threads) -> int", peak_multiply_adds);
     m.def("paths() -> str[]", paths);
+    m.def("layout() -> (str[], int[])", layout);
 }
 
 }  // namespace corechat

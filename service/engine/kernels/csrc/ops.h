@@ -1,4 +1,5 @@
-// What the operator files share: the quantized product as a C++ function (layer.cpp calls it).
+// What the operator files share: the quantized product as a C++ function (layer.cpp calls it), and
+// the check that a tensor is the CPU's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -6,6 +7,9 @@
 #include <optional>
 
 namespace corechat {
+
+// Refuse a tensor that is not in the CPU's memory (a meta or device tensor): the kernels read it directly.
+void check_cpu(const at::Tensor& tensor, const char* name);
 
 // torch.ops.corechat.quantized_linear: input [rows, inputs] (bfloat16 or float32) times a stored
 // weight (kernels.h), plus the float32 bias, as bfloat16 or float32 [rows, outputs]; path 0 is

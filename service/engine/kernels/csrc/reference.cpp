@@ -2,6 +2,7 @@
 // rounding they all share. Built without instruction-set flags: it runs on any x86-64.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernels.h"
 
@@ -42,15 +43,31 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
                 std::memcpy(block, static_cast<const float*>(source) + first, sizeof block);
             }
             float largest = 0.0f;
-            for (int i = 0; i < kBlock; ++i) largest = std::max(largest, std::fabs(block[i]));
-            const float scale = largest / 127.0f;
-            const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-            int8_t* out = values + row * cols + b * kBlock;
-            int32_t sum = 0;
+            bool finite = true;
             for (int i = 0; i < kBlock; ++i) {
-                float rounded = std::min(127.0f, std::max(-127.0f, round_half_even(block[i] * inverse)));
-                out[i] = static_cast<int8_t>(rounded);
-                sum += out[i];
+                largest = std::max(largest, std::fabs(block[i]));
+                finite &= std::isfinite(block[i]);
+            }
+            int8_t* out = values + row * cols + b * kBlock;
+            float scale;
+            int32_t sum = 0;
+            if (!finite) {
+                // std::max drops a NaN and the clamp would turn it into -127: a block holding NaN or
+                // inf gets a NaN scale instead, so every output of its row is NaN and a model that
+                // blew up says so rather than yielding plausible numbers.
+                scale = std::numeric_limits<float>::quiet_NaN();
+                std::memset(out, 0, kBlock);
+            } else {
+                scale = largest / 127.0f;
+                // A subnormal scale's inverse can overflow to inf, and 0 * inf would turn the block's
+                // zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
+                if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
+                const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+                for (int i = 0; i < kBlock; ++i) {
+                    float rounded = std::min(127.0f, std::max(-127.0f, round_half_even(block[i] * inverse)));
+                    out[i] = static_cast<int8_t>(rounded);
+                    sum += out[i];
+                }
             }
             scales[row * stored_blocks + b] = scale;
             corrections[row * stored_blocks + b] = static_cast<float>(8 * sum);
