@@ -280,13 +280,15 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     """Widths the formats cannot hold, mismatched scales and row counts are refused with a message."""
     weight, scales = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        product(INT8, torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.int8), scales, 8)
+        product(INT8, torch.randn(1, 48), torch.zeros(16, 48, dtype=torch.uint8), scales, 8)
     with pytest.raises(RuntimeError, match="scales"):
         product(INT8, torch.randn(1, 64), weight, scales[:4], 8)
     with pytest.raises(RuntimeError, match="padded"):
-        product(INT8, torch.randn(1, 64), weight, scales, 12)
-    with pytest.raises(RuntimeError, match="multiples of 64"):
-        product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.float16), 8)
+        product(INT8, torch.randn(1, 64), weight, scales, 17)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        product(INT4, torch.randn(1, 48), torch.zeros(16, 24, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.float16), 16)
+    with pytest.raises(RuntimeError, match="uint8"):
+        product(INT8, torch.randn(1, 64), weight.view(torch.int8), scales, 8)
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +326,7 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
     groups, restored_groups = weight.reshape(16, 4, 32), restored.reshape(16, 4, 32)
     extreme = groups.abs().argmax(dim=2, keepdim=True)
     assert torch.allclose(restored_groups.gather(2, extreme), groups.gather(2, extreme), rtol=1e-3)
-    scales = scales[:, :4].float()
+    scales = scales.reshape(4, 16).t().float()  # stored [tiles, blocks, 16 rows]
     step = scales.abs()[:, :, None]
     clamped = groups / scales[:, :, None] > 7.5
     bound = torch.where(clamped, step, step / 2) * (1 + 1e-3)
@@ -404,8 +406,9 @@ def test_a_killed_builders_scratch_folder_is_removed_by_the_next_build(tmp_path)
     assert not leftover.exists()
 
 
-KERNELS_H_HELPERS = ("padded_blocks", "units_per_row", "weight_unit", "bfloat16_to_float", "float_to_bfloat16",
-                     "float16_to_float", "sum_lanes", "store_output")
+KERNELS_H_HELPERS = ("padded_outputs", "tile_block", "tile_scales", "bfloat16_to_float", "float_to_bfloat16",
+                     "float16_to_float", "sum_lanes", "store_output", "sum_sixteen", "largest_of_sixteen",
+                     "exp_nonpositive_lane")
 
 
 def test_kernels_h_helpers_are_private_to_each_source_file(tmp_path):
@@ -417,9 +420,10 @@ def test_kernels_h_helpers_are_private_to_each_source_file(tmp_path):
         '#include "kernels.h"\n'
         "using namespace corechat;\n"
         "float use(const Weights& w, Output out, uint16_t bits) {\n"
-        "    float lanes[8] = {};\n"
+        "    float lanes[16] = {};\n"
         "    store_output(out, 0, 0, bfloat16_to_float(float_to_bfloat16(float16_to_float(bits))));\n"
-        "    return sum_lanes(lanes) + padded_blocks(w.inputs) + units_per_row(w) + *weight_unit(w, 0, 0);\n"
+        "    return sum_lanes(lanes) + padded_outputs(w.outputs) + *tile_block(w, 0, 0) + *tile_scales(w, 0, 0)\n"
+        "        + exp_nonpositive_lane(sum_sixteen(lanes)) + largest_of_sixteen(lanes);\n"
         "}\n")
     compiled = tmp_path / "uses_helpers.o"
     subprocess.run([kernels.COMPILER, "-O0", "-std=c++20", "-Wall", "-Werror", f"-I{kernels.SOURCE_DIR}", "-c",

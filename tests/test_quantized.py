@@ -59,7 +59,7 @@ def test_a_converted_files_name_carries_the_kernels_layout(model_dir, tmp_path):
     """A change of layout in kernels.h (and so in the converter) names another file."""
     layout = kernels_layout()
     name = converted_file_for(INT8, model_dir, tmp_path, FINGERPRINT).name
-    assert f"-i{layout['interleave']}u{layout['unit_bytes']}g{layout['block']}-" in name
+    assert f"-t{layout['tile_outputs']}k{layout['group_inputs']}g{layout['block']}-" in name
     assert name.endswith(f"-{FINGERPRINT}.safetensors")
 
 

@@ -5,10 +5,11 @@ norms, biases) stays bfloat16. The converted file is memory-mapped like the mode
 worker reads the same page-cache pages, and it holds exactly the layout the kernels read: nothing
 is repacked per worker.
   int8: int8 weights, one float32 scale per output row (8 bits per weight).
-  int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups sharing each
-        byte's nibbles (about 4.5 bits per weight).
-Rows are stored in 32-byte units, those of each 4 rows side by side, so a kernel tile streams one
-sequential run of memory (kernels/csrc/kernels.h has the layout).
+  int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
+        sharing a byte's nibbles (4.5 bits per weight).
+Weights are stored with an offset that makes them unsigned (+128, +8), in tiles of 16 rows whose
+blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
+64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
 activations are rounded to int8 in blocks of 32 and each output is summed in one fixed order, so a
 token's result depends neither on the other rows of its batch nor on how its prompt was cut.
@@ -31,15 +32,16 @@ log = logging.getLogger(__name__)
 
 # Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
 # a file written by another version is never read as this one's.
-FORMAT_VERSION = 3
-# The layout the kernels read (kernels.h: kBlock, kInterleave, kUnitBytes), which the converter
-# writes: check_layout holds them to the loaded kernels' own, and the converted file's name and
-# metadata carry them, so a file of another layout is never read.
+FORMAT_VERSION = 4
+# The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
+# which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
+# file's name and metadata carry them, so a file of another layout is never read.
 GROUP = 32
-# Rows whose 32-byte units the converted file puts side by side.
-INTERLEAVE = 4
-UNIT_BYTES = 32
-LAYOUT_TOKEN = f"i{INTERLEAVE}u{UNIT_BYTES}g{GROUP}"
+TILE_OUTPUTS = 16
+GROUP_INPUTS = 4
+INT8_OFFSET = 128
+INT4_OFFSET = 8
+LAYOUT_TOKEN = f"t{TILE_OUTPUTS}k{GROUP_INPUTS}g{GROUP}"
 WEIGHT_SUFFIX = ".qweight"
 SCALE_SUFFIX = ".qscale"
 OUTPUT_LAYER = "lm_head.weight"
@@ -57,12 +59,12 @@ class WeightFormat:
 
 
 INT8 = WeightFormat("int8", 0, "int8 weights with a float32 scale per row", GROUP)
-INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", 2 * GROUP)
+INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP)
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
 ACTIVATIONS = "activations rounded to int8 per block of 32"
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
-LAYOUT = {"block": GROUP, "interleave": INTERLEAVE, "unit_bytes": UNIT_BYTES, "int8_rows": INT8.code,
-          "int4_groups": INT4.code}
+LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
+          "int4_offset": INT4_OFFSET, "int8_rows": INT8.code, "int4_groups": INT4.code}
 
 
 class LayoutMismatch(RuntimeError):
@@ -106,50 +108,50 @@ class QuantizedLinear(nn.Module):
 
 
 def padded_rows(outputs: int) -> int:
-    """Return the rows stored for a matrix: a multiple of INTERLEAVE."""
-    return -(-outputs // INTERLEAVE) * INTERLEAVE
+    """Return the rows stored for a matrix: a multiple of TILE_OUTPUTS."""
+    return -(-outputs // TILE_OUTPUTS) * TILE_OUTPUTS
 
 
-def interleave(rows: torch.Tensor) -> torch.Tensor:
-    """Pad a matrix of per-row bytes with zero rows to a multiple of INTERLEAVE and put unit u of
-    each group of INTERLEAVE rows side by side, the order the kernel streams (kernels.h)."""
-    outputs, width = rows.shape
-    padded = torch.zeros(padded_rows(outputs), width, dtype=rows.dtype)
-    padded[:outputs] = rows
-    units = padded.reshape(-1, INTERLEAVE, width // UNIT_BYTES, UNIT_BYTES).transpose(1, 2)
-    return units.reshape(-1, width).contiguous()
+def pad_rows(matrix: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """Return a matrix with rows of `fill` added to a multiple of TILE_OUTPUTS."""
+    padded = torch.full((padded_rows(matrix.shape[0]), *matrix.shape[1:]), fill, dtype=matrix.dtype)
+    padded[: matrix.shape[0]] = matrix
+    return padded
 
 
-def deinterleave(stored: torch.Tensor, outputs: int) -> torch.Tensor:
-    """Undo interleave: the first `outputs` rows, each row's bytes in order."""
-    width = stored.shape[1]
-    units = stored.reshape(-1, width // UNIT_BYTES, INTERLEAVE, UNIT_BYTES).transpose(1, 2)
-    return units.reshape(-1, width)[:outputs]
+def tile_int8(stored: torch.Tensor) -> torch.Tensor:
+    """Lay out offset int8 weights [padded rows, inputs] as kernels.h reads them: per tile, per block,
+    per group of 4 inputs, the 16 rows' 4 bytes side by side."""
+    rows, inputs = stored.shape
+    tiles = stored.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, GROUP // GROUP_INPUTS, GROUP_INPUTS)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(rows, inputs).contiguous()
+
+
+def untile_int8(tiled: torch.Tensor) -> torch.Tensor:
+    """Undo tile_int8."""
+    rows, inputs = tiled.shape
+    tiles = tiled.reshape(rows // TILE_OUTPUTS, inputs // GROUP, GROUP // GROUP_INPUTS, TILE_OUTPUTS, GROUP_INPUTS)
+    return tiles.permute(0, 3, 1, 2, 4).reshape(rows, inputs)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix symmetrically per output row: int8 rows (-127..127) and float32 scales,
-    interleaved and padded as the kernel reads them."""
+    """Quantize a matrix symmetrically per output row: weights -127..127 stored + 128 as bytes, and float32
+    scales, padded and laid out as the kernel reads them."""
     weight = weight.float()
     scales = weight.abs().amax(dim=1) / 127
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    rows = torch.round(weight / safe[:, None]).clamp(-127, 127).to(torch.int8)
-    padded_scales = torch.zeros(padded_rows(weight.shape[0]), dtype=torch.float32)
-    padded_scales[: weight.shape[0]] = scales
-    return interleave(rows), padded_scales
-
-
-def padded_groups(inputs: int) -> int:
-    """Return the int4 scales stored per row: one per group, padded with zeros to a multiple of 8."""
-    return (inputs // GROUP + 7) // 8 * 8
+    levels = torch.round(weight / safe[:, None]).clamp(-127, 127)
+    stored = pad_rows((levels + INT8_OFFSET).to(torch.uint8), fill=INT8_OFFSET)
+    return tile_int8(stored), pad_rows(scales.to(torch.float32))
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
 
     The group's largest-magnitude weight maps to -8 exactly (as llama.cpp's q4_0 does), so all 16
-    levels are used; the rounding uses the float16 scale that is stored. Each row's scales are
-    padded with zeros to a multiple of 8, which the kernel reads 8 at a time.
+    levels are used; the rounding uses the float16 scale that is stored. Each block of a tile holds
+    its 16 rows' groups of 4 inputs side by side, group p's in the low nibbles and group p + 4's in
+    the high ones; the scales lie [tiles, blocks, 16 rows].
     """
     outputs, inputs = weight.shape
     if inputs % INT4.width_multiple:
@@ -157,26 +159,32 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
     extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
     scales = (extreme / -8).to(torch.float16)
-    stored = scales.float()
-    safe = torch.where(stored != 0, stored, torch.ones_like(stored))
+    stored_scales = scales.float()
+    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
     levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
-    levels = torch.where(stored[:, :, None] != 0, levels, torch.zeros_like(levels))
-    nibbles = (levels + 8).to(torch.uint8).reshape(outputs, inputs // (2 * GROUP), 2, GROUP)
-    packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
-    padded = torch.zeros(padded_rows(outputs), padded_groups(inputs), dtype=torch.float16)
-    padded[:outputs, : inputs // GROUP] = scales
-    return interleave(packed.reshape(outputs, inputs // 2)), padded
+    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT4_OFFSET)
+    rows = nibbles.shape[0]
+    # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
+    parts = nibbles.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, 2, 4, GROUP_INPUTS)
+    parts = parts.permute(0, 2, 3, 4, 1, 5)
+    packed = parts[:, :, 0] | (parts[:, :, 1] << 4)
+    tiled_scales = pad_rows(scales).reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP).transpose(1, 2)
+    return packed.reshape(rows, inputs // 2).contiguous(), tiled_scales.contiguous().reshape(rows, inputs // GROUP)
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
     """Return the float32 matrix [outputs, inputs] a stored quantized one stands for."""
-    rows = deinterleave(weight, outputs)
+    rows = weight.shape[0]
     if fmt is INT8:
-        return rows.float() * scales[:outputs, None]
-    groups = rows.shape[1] * 2 // GROUP
-    pairs = rows.reshape(outputs, -1, 1, GROUP)
-    nibbles = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).float() - 8
-    return (nibbles.reshape(outputs, groups, GROUP) * scales[:outputs, :groups].float()[:, :, None]).reshape(outputs, -1)
+        levels = untile_int8(weight).float() - INT8_OFFSET
+        return (levels * scales[:, None])[:outputs]
+    inputs = weight.shape[1] * 2
+    packed = weight.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
+    halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
+    levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float() - INT4_OFFSET
+    group_scales = scales.reshape(rows // TILE_OUTPUTS, inputs // GROUP, TILE_OUTPUTS).transpose(1, 2).reshape(rows, -1)
+    return (levels.reshape(rows, -1, GROUP) * group_scales.float()[:, :, None]).reshape(rows, inputs)[:outputs]
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}

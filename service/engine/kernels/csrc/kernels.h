@@ -1,22 +1,21 @@
-// corechat's quantized products and decode attention: what every instruction-set path shares.
+// corechat's quantized products and paged attention: what every instruction-set path shares.
 //
 // Every path computes each output with the same arithmetic in the same order, whatever the number
 // of rows, the tile shapes or the threads, so a row's result never depends on the rest of its batch
 // and every path gives the reference's bits exactly:
 //   - activations are rounded to int8 in blocks of 32 (one float scale s_x each, round half to
-//     even); int4 products also take n = float(8 * sum of the block's int8 values); a block
-//     holding NaN or inf has s_x = NaN (its values 0), which makes every output of its row NaN;
-//     a block whose s_x = largest magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
-//   - within a block, lane j (0..7) of an 8-lane accumulator takes the exact integer sum over
-//     elements 4j..4j+3 of stored weight times activation, blocks in order:
-//       int8 rows:   acc[j] = fma(float(sum), s_x, acc[j])
-//       int4 groups: acc[j] = fma(float(sum), s_w * s_x, acc[j]) with the stored nibbles (0..15,
-//                    the weight plus 8) and the group's scale s_w; the +8 is taken back by
-//                    corr[b % 8] = fma(s_w * s_x, n, corr[b % 8]) over the blocks b;
-//   - lanes are summed as sum_lanes below; int8 rows: sum(acc) * row scale; int4 groups:
-//     sum(acc) - sum(corr); then plus the bias, rounded to the output type.
-// Per-block scales (activations' and int4 weights') are stored padded with zeros to a multiple
-// of 8 blocks per row (padded_blocks), so SIMD code reads them 8 at a time without a tail.
+//     even) and each block's sum of its int8 values is kept; a block holding NaN or inf has s_x =
+//     NaN (its values 0), which makes every output of its row NaN; a block whose s_x = largest
+//     magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
+//   - for each output, blocks in order, S = the exact integer sum over the block of weight times
+//     activation, then
+//       int8 rows:   acc = fma(float(S), s_x, acc), and at the end acc * the row's scale;
+//       int4 groups: acc = fma(float(S), s_w * s_x, acc) with the group's scale s_w;
+//     then plus the bias, rounded to the output type.
+// The weights are stored with an offset that makes them unsigned (int8 + 128, int4 + 8), the
+// operand vpdpbusd wants unsigned; S is the offset sum minus the offset times the block's sum of
+// activations, which is exact and the same for every output (kernels read it as the starting value
+// of their integer sums).
 //
 // The helpers defined here are compiled into source files built for different instruction sets
 // (reference.cpp for any x86-64, avx2.cpp, avx512_vnni.cpp). They live
@@ -33,43 +32,38 @@
 namespace corechat {
 
 constexpr int64_t kBlock = 32;  // activation block and int4 weight group, in elements
-static_assert(kBlock == 8 * 4, "a block is 8 lanes of 4 elements");
 
 enum WeightFormat : int { kInt8Rows = 0, kInt4Groups = 1 };
 
-namespace {
-
-constexpr int64_t padded_blocks(int64_t cols) { return (cols / kBlock + 7) / 8 * 8; }
-static_assert(padded_blocks(kBlock) == 8 && padded_blocks(8 * kBlock) == 8 && padded_blocks(9 * kBlock) == 16,
-              "scales are stored 8 blocks at a time");
-
-}  // namespace
-
-// Activations rounded to int8 per block: the values, one scale per block and the int4 n.
+// Activations rounded to int8 per block: the values, one scale per block and the block's sum.
 struct QuantizedRows {
-    const int8_t* values;       // [rows, cols], -127..127
-    const float* scales;        // [rows, padded_blocks(cols)]
-    const float* corrections;   // [rows, padded_blocks(cols)], n above
+    const int8_t* values;  // [rows, cols], -127..127
+    const float* scales;   // [rows, cols / kBlock]
+    const int32_t* sums;   // [rows, cols / kBlock]
     int64_t rows;
     int64_t cols;
 };
 
-// A weight matrix of `outputs` rows of `inputs` elements, as stored in the converted file. Each
-// row is cut into 32-byte units: kInt8Rows, one block of 32 int8 weights (-127..127);
-// kInt4Groups, a pair of groups of 32, byte i holding element i of the first group in its low
-// nibble and of the second in its high nibble, as weight + 8 (-8..7 stored as 0..15), so one
-// load, a shift and two masks give both groups (inputs a multiple of 64). Rows are interleaved
-// by kInterleave: unit u of rows 4g..4g+3 lie side by side, so a tile of 4 rows reads one
-// sequential stream; rows are padded with zeros to a multiple of kInterleave.
-//   scales: kInt8Rows float32 [padded rows] (one per row); kInt4Groups float16 bits
-//           [padded rows, padded_blocks(inputs)] (one per group).
-constexpr int64_t kInterleave = 4;
-constexpr int64_t kUnitBytes = 32;
-static_assert(kUnitBytes == kBlock, "a unit is one block of int8 weights, or two groups' int4 nibbles");
+// A weight matrix of `outputs` rows of `inputs` elements, as stored in the converted file: tiles of
+// kTileOutputs rows (the last padded with zero weights), each tile's blocks in order, each block
+// kTileOutputs x kBlock weights laid out so that one 64-byte load holds, for all 16 rows of the
+// tile, four consecutive inputs each: the operands of one vpdpbusd.
+//   kInt8Rows: a block is 8 such loads (inputs 4g..4g+3 of every row, g = 0..7), 512 bytes: byte
+//     16 * 4 * g + 4 * row + k is weight (row, 4g + k) + 128.
+//   kInt4Groups: a block is 4 loads, 256 bytes: byte 16 * 4 * p + 4 * row + k holds weight (row,
+//     4p + k) + 8 in its low nibble and weight (row, 4(p + 4) + k) + 8 in its high nibble.
+//   scales: kInt8Rows float32 [padded rows] (one per row); kInt4Groups float16 bits [tiles, blocks,
+//     kTileOutputs] (one per row per group, a tile's block's 16 side by side).
+constexpr int64_t kTileOutputs = 16;
+constexpr int64_t kGroupInputs = 4;
+constexpr int64_t kGroupBytes = kTileOutputs * kGroupInputs;  // one vpdpbusd's weights
+static_assert(kBlock % (2 * kGroupInputs) == 0 && kGroupBytes == 64, "a block is whole 64-byte loads");
+constexpr int64_t kInt8Offset = 128;
+constexpr int64_t kInt4Offset = 8;
 
 struct Weights {
     int format;
-    const void* data;
+    const uint8_t* data;
     const void* scales;
     int64_t outputs;  // the real rows (the stored ones are padded)
     int64_t inputs;
@@ -77,12 +71,19 @@ struct Weights {
 
 namespace {
 
-inline int64_t units_per_row(const Weights& w) { return w.format == kInt8Rows ? w.inputs / kBlock : w.inputs / (2 * kBlock); }
+constexpr int64_t padded_outputs(int64_t outputs) { return (outputs + kTileOutputs - 1) / kTileOutputs * kTileOutputs; }
 
-// The 32 bytes of unit `unit` of row `row`; the next unit of the row is kInterleave units on.
-inline const uint8_t* weight_unit(const Weights& w, int64_t row, int64_t unit) {
-    const int64_t index = ((row / kInterleave) * units_per_row(w) + unit) * kInterleave + row % kInterleave;
-    return static_cast<const uint8_t*>(w.data) + index * kUnitBytes;
+// Bytes of one tile's block.
+constexpr int64_t block_bytes(int format) { return format == kInt8Rows ? kTileOutputs * kBlock : kTileOutputs * kBlock / 2; }
+
+// The first byte of tile `tile`'s block `block`.
+inline const uint8_t* tile_block(const Weights& w, int64_t tile, int64_t block) {
+    return w.data + (tile * (w.inputs / kBlock) + block) * block_bytes(w.format);
+}
+
+// The float16 bits of an int4 tile's block's 16 scales.
+inline const uint16_t* tile_scales(const Weights& w, int64_t tile, int64_t block) {
+    return static_cast<const uint16_t*>(w.scales) + (tile * (w.inputs / kBlock) + block) * kTileOutputs;
 }
 
 }  // namespace
@@ -94,7 +95,8 @@ struct Output {
     bool bfloat16;
 };
 
-// Compute outputs [begin, end) of every row: out = x @ w.T (+ bias).
+// Compute the outputs of tiles [begin, end) of every row: out = x @ w.T (+ bias); only the real
+// outputs are written.
 using MatmulKernel = void (*)(const QuantizedRows& x, const Weights& w, const float* bias, Output out,
                               int64_t begin, int64_t end);
 
@@ -102,10 +104,9 @@ void matmul_reference(const QuantizedRows&, const Weights&, const float*, Output
 void matmul_avx2(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 
-// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's
-// arrays (scales and corrections padded as QuantizedRows says).
+// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's arrays.
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
-                   int8_t* values, float* scales, float* corrections, int64_t cols);
+                   int8_t* values, float* scales, int32_t* sums, int64_t cols);
 
 // Paged attention: every running sequence's keys and values live in pages of one pool, a table
 // per sequence listing its pages in order. The pool is [pages][layers][2][kv_heads][kPageTokens *

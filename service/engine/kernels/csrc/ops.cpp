@@ -82,8 +82,8 @@ std::vector<std::string> paths() {
 // its own constants against these when it loads. Names and values side by side (a Dict return
 // trips a warning inside torch's headers).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
-    return {{"block", "interleave", "unit_bytes", "int8_rows", "int4_groups"},
-            {kBlock, kInterleave, kUnitBytes, kInt8Rows, kInt4Groups}};
+    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_rows", "int4_groups"},
+            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Rows, kInt4Groups}};
 }
 
 }  // namespace
@@ -106,17 +106,18 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     const int64_t rows = input.size(0), inputs = input.size(1), stored = weight.size(0);
     // A width of 0 would divide by zero when the rows are shared among threads.
     TORCH_CHECK(inputs > 0 && inputs % kBlock == 0, "the input width must be a positive multiple of ", kBlock);
-    TORCH_CHECK(outputs > 0 && stored == (outputs + kInterleave - 1) / kInterleave * kInterleave,
-                "weight must hold the outputs padded to a multiple of ", kInterleave, " rows");
+    TORCH_CHECK(outputs > 0 && stored == padded_outputs(outputs),
+                "weight must hold the outputs padded to a multiple of ", kTileOutputs, " rows");
+    TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (weights stored with their offset)");
+    const int64_t blocks = inputs / kBlock;
     if (format == kInt8Rows) {
-        TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == inputs, "int8 weight must be [rows, inputs]");
-        TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == stored, "int8 scales must be float32 [rows]");
+        TORCH_CHECK(weight.size(1) == inputs, "int8 weight must be [padded rows, inputs]");
+        TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == stored, "int8 scales must be float32 [padded rows]");
     } else {
         TORCH_CHECK(format == kInt4Groups, "unknown weight format ", format);
-        TORCH_CHECK(inputs % (2 * kBlock) == 0, "int4 input widths must be multiples of ", 2 * kBlock);
-        TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == inputs, "int4 weight must be uint8 [rows, inputs / 2]");
-        TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored * padded_blocks(inputs),
-                    "int4 scales must be float16 [rows, inputs / 32 rounded up to a multiple of 8]");
+        TORCH_CHECK(weight.size(1) * 2 == inputs, "int4 weight must be [padded rows, inputs / 2]");
+        TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored * blocks,
+                    "int4 scales must be float16 [padded rows / 16, inputs / 32, 16]");
     }
     const float* bias_data = nullptr;
     if (bias.has_value()) {
@@ -128,25 +129,23 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
     const MatmulKernel kernel = select_matmul(path);
 
     at::Tensor values = at::empty({rows, inputs}, input.options().dtype(at::kChar));
-    at::Tensor block_scales = at::empty({rows, padded_blocks(inputs)}, input.options().dtype(at::kFloat));
-    at::Tensor corrections = at::empty({rows, padded_blocks(inputs)}, input.options().dtype(at::kFloat));
+    at::Tensor block_scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
+    at::Tensor block_sums = at::empty({rows, blocks}, input.options().dtype(at::kInt));
     const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
     at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
         quantize_rows(input.const_data_ptr(), bfloat16_input, inputs, begin, end, values.data_ptr<int8_t>(),
-                      block_scales.data_ptr<float>(), corrections.data_ptr<float>(), inputs);
+                      block_scales.data_ptr<float>(), block_sums.data_ptr<int32_t>(), inputs);
     });
     QuantizedRows x{values.const_data_ptr<int8_t>(), block_scales.const_data_ptr<float>(),
-                    corrections.const_data_ptr<float>(), rows, inputs};
-    Weights w{static_cast<int>(format), weight.const_data_ptr(), scales.const_data_ptr(), outputs, inputs};
+                    block_sums.const_data_ptr<int32_t>(), rows, inputs};
+    Weights w{static_cast<int>(format), weight.const_data_ptr<uint8_t>(), scales.const_data_ptr(), outputs, inputs};
 
     at::Tensor output = at::empty({rows, outputs}, input.options().dtype(float32_output ? at::kFloat : at::kBFloat16));
     Output out{output.data_ptr(), outputs, !float32_output};
-    // Whole groups of kInterleave rows per task, so every tile reads one stream.
-    const int64_t group_bytes = weight.size(1) * weight.element_size() * kInterleave;
-    const int64_t groups = stored / kInterleave;
-    at::parallel_for(0, groups, std::max<int64_t>(4, kParallelBytes / group_bytes), [&](int64_t begin, int64_t end) {
-        kernel(x, w, bias_data, out, begin * kInterleave, std::min(end * kInterleave, outputs));
-    });
+    // Whole tiles per task, at least four, and enough bytes each that waking a thread pays.
+    const int64_t tile_bytes = blocks * block_bytes(static_cast<int>(format));
+    at::parallel_for(0, stored / kTileOutputs, std::max<int64_t>(4, kParallelBytes / tile_bytes),
+                     [&](int64_t begin, int64_t end) { kernel(x, w, bias_data, out, begin, end); });
     return output;
 }
 

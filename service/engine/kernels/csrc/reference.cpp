@@ -17,23 +17,22 @@ inline float round_half_even(float value) {
     return (value + kMagic) - kMagic;
 }
 
-// The stored nibble (weight + 8) of element `element` of group `group` of a row.
-inline int32_t int4_nibble(const Weights& w, int64_t row, int64_t group, int64_t element) {
-    uint8_t packed = weight_unit(w, row, group / 2)[element];
-    return group % 2 == 0 ? (packed & 0x0f) : (packed >> 4);
+// Weight (output, block * kBlock + input) as stored, its offset included.
+inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, int64_t input) {
+    const uint8_t* data = tile_block(w, output / kTileOutputs, block);
+    const int64_t row = output % kTileOutputs, group = input / kGroupInputs, k = input % kGroupInputs;
+    if (w.format == kInt8Rows) return data[group * kGroupBytes + row * kGroupInputs + k];
+    const uint8_t packed = data[(group % 4) * kGroupBytes + row * kGroupInputs + k];
+    return group < 4 ? (packed & 0x0f) : (packed >> 4);
 }
 
 }  // namespace
 
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
-                   int8_t* values, float* scales, float* corrections, int64_t cols) {
-    const int64_t blocks = cols / kBlock, stored_blocks = padded_blocks(cols);
+                   int8_t* values, float* scales, int32_t* sums, int64_t cols) {
+    const int64_t blocks = cols / kBlock;
     float block[kBlock];
     for (int64_t row = begin; row < end; ++row) {
-        for (int64_t b = blocks; b < stored_blocks; ++b) {
-            scales[row * stored_blocks + b] = 0.0f;
-            corrections[row * stored_blocks + b] = 0.0f;
-        }
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t first = row * stride + b * kBlock;
             if (bfloat16) {
@@ -69,53 +68,34 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
                     sum += out[i];
                 }
             }
-            scales[row * stored_blocks + b] = scale;
-            corrections[row * stored_blocks + b] = static_cast<float>(8 * sum);
+            scales[row * blocks + b] = scale;
+            sums[row * blocks + b] = sum;
         }
     }
 }
 
 void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bias, Output out,
                       int64_t begin, int64_t end) {
-    const int64_t blocks = w.inputs / kBlock, stored_blocks = padded_blocks(w.inputs);
+    const int64_t blocks = w.inputs / kBlock;
+    const int32_t offset = w.format == kInt8Rows ? kInt8Offset : kInt4Offset;
     for (int64_t row = 0; row < x.rows; ++row) {
         const int8_t* activations = x.values + row * x.cols;
-        const float* activation_scales = x.scales + row * stored_blocks;
-        for (int64_t column = begin; column < end; ++column) {
-            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            float corrections[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t column = begin * kTileOutputs; column < std::min(end * kTileOutputs, w.outputs); ++column) {
+            float acc = 0.0f;
             for (int64_t b = 0; b < blocks; ++b) {
-                int32_t weights[kBlock];
+                int32_t sum = -offset * x.sums[row * blocks + b];
+                for (int64_t i = 0; i < kBlock; ++i) sum += stored_weight(w, column, b, i) * activations[b * kBlock + i];
+                const float activation_scale = x.scales[row * blocks + b];
                 if (w.format == kInt8Rows) {
-                    const int8_t* unit = reinterpret_cast<const int8_t*>(weight_unit(w, column, b));
-                    for (int i = 0; i < kBlock; ++i) weights[i] = unit[i];
+                    acc = std::fma(static_cast<float>(sum), activation_scale, acc);
                 } else {
-                    for (int i = 0; i < kBlock; ++i) weights[i] = int4_nibble(w, column, b, i);
-                }
-                for (int lane = 0; lane < 8; ++lane) {
-                    int32_t sum = 0;
-                    for (int i = 4 * lane; i < 4 * lane + 4; ++i) sum += weights[i] * activations[b * kBlock + i];
-                    if (w.format == kInt8Rows) {
-                        lanes[lane] = std::fma(static_cast<float>(sum), activation_scales[b], lanes[lane]);
-                    } else {
-                        const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * stored_blocks + b]);
-                        lanes[lane] = std::fma(static_cast<float>(sum), group_scale * activation_scales[b], lanes[lane]);
-                    }
-                }
-                if (w.format == kInt4Groups) {
-                    const float group_scale = float16_to_float(static_cast<const uint16_t*>(w.scales)[column * stored_blocks + b]);
-                    corrections[b % 8] = std::fma(group_scale * activation_scales[b], x.corrections[row * stored_blocks + b],
-                                                  corrections[b % 8]);
+                    const float group_scale = float16_to_float(tile_scales(w, column / kTileOutputs, b)[column % kTileOutputs]);
+                    acc = std::fma(static_cast<float>(sum), group_scale * activation_scale, acc);
                 }
             }
-            float value = sum_lanes(lanes);
-            if (w.format == kInt8Rows) {
-                value *= static_cast<const float*>(w.scales)[column];
-            } else {
-                value -= sum_lanes(corrections);
-            }
-            if (bias != nullptr) value += bias[column];
-            store_output(out, row, column, value);
+            if (w.format == kInt8Rows) acc *= static_cast<const float*>(w.scales)[column];
+            if (bias != nullptr) acc += bias[column];
+            store_output(out, row, column, acc);
         }
     }
 }
