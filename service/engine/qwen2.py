@@ -8,10 +8,11 @@ into its sequence's pages of the worker's pool (kvpool.py) and it attends to its
 positions up to its own (kernels.h: PagedAttention), so a row's result depends neither on the
 other rows nor on how its prompt was cut.
 
-Quantized models (int8, int4) run each decoder layer as three fused operators (kernels/csrc/
-layer.cpp: the norm, products and rotary before attention; the rest after it), the same arithmetic
-as transformers' except RMSNorm's mean, which the kernel sums in its own fixed order. bfloat16
-models run transformers' operations one by one around the attention kernel.
+Quantized models (int8, int4) run all their decoder layers in one operator (kernels/csrc/layer.cpp:
+run_layers, a layer's norm, products and rotary before attention, the attention, and the rest
+after it), the same arithmetic as transformers' except RMSNorm's mean, which the kernel sums in its
+own fixed order; the hook between layers (the engine's core sharing) runs once per forward.
+bfloat16 models run transformers' operations one by one around the attention kernel.
 """
 
 from collections.abc import Callable
@@ -83,11 +84,13 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LeanModel:
-    """A model the lean forward runs: the model, its fused layers if quantized, and the hook between layers."""
+    """A model the lean forward runs: the model, its fused layers if quantized (and their handle in
+    torch.ops.corechat.run_layers), and the hook that runs before a forward's layers."""
 
     model: torch.nn.Module
     fused: list[FusedLayer] | None
     between_layers: Callable[[], object] | None
+    registered: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -105,7 +108,24 @@ def lean_model(model, between_layers: Callable[[], object] | None = None) -> Lea
             or getattr(config, "use_sliding_window", False) or config.hidden_act != "silu"
             or head_dim not in HEAD_DIMS or not hasattr(torch.ops.corechat, "paged_attention")):
         return None
-    return LeanModel(model, fused_layers(model), between_layers)
+    fused = fused_layers(model)
+    return LeanModel(model, fused, between_layers, register_layers(model, fused) if fused is not None else None)
+
+
+def register_layers(model, fused: list[FusedLayer]) -> int:
+    """Hand a quantized model's layers to the kernels once; return the handle run_layers takes."""
+    norms, epsilons, weights, scales, biases, outputs = [], [], [], [], [], []
+    for layer in fused:
+        for norm, eps, layer_weights, layer_scales, layer_biases, layer_outputs, _ in (layer.attention, layer.mlp):
+            norms.append(norm)
+            epsilons.append(eps)
+            weights += layer_weights
+            scales += layer_scales
+            biases += layer_biases
+            outputs += layer_outputs
+    attention = model.model.layers[0].self_attn
+    return torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fused[0].attention[-1],
+                                              attention.head_dim, attention.scaling)
 
 
 @dataclass(frozen=True)
@@ -127,7 +147,10 @@ def lean_forward(lean: LeanModel, token_ids: torch.Tensor, rows: Rows, pool: tor
     cos, sin = cos[0], sin[0]
     layers = inner.layers[: model.config.num_hidden_layers]
     if lean.fused is not None:
-        hidden = fused_decoder(hidden, cos, sin, layers, lean, rows, pool)
+        if lean.between_layers is not None:
+            lean.between_layers()
+        hidden = torch.ops.corechat.run_layers(lean.registered, hidden, cos.contiguous(), sin.contiguous(), pool,
+                                               rows.tables, rows.sequences, rows.positions)
         hidden = norm_rows(hidden, inner.norm)
     else:
         hidden = decoder(hidden, cos, sin, layers, lean, rows, pool)
@@ -168,20 +191,6 @@ def decoder(hidden, cos, sin, layers, lean: LeanModel, rows: Rows, pool: torch.T
         states = rms_norm(hidden, layer.post_attention_layernorm)
         mlp = layer.mlp
         hidden = residual + product(mlp.down_proj, F.silu(product(mlp.gate_proj, states)) * product(mlp.up_proj, states))
-    return hidden
-
-
-def fused_decoder(hidden, cos, sin, layers, lean: LeanModel, rows: Rows, pool: torch.Tensor) -> torch.Tensor:
-    """Run quantized decoder layers as the fused operators: three calls per layer."""
-    head_dim = layers[0].self_attn.head_dim
-    scaling = layers[0].self_attn.scaling
-    cos, sin = cos.contiguous(), sin.contiguous()
-    for index, arguments in enumerate(lean.fused):
-        if lean.between_layers is not None:
-            lean.between_layers()
-        query, key, value = torch.ops.corechat.attention_inputs(hidden, *arguments.attention, cos, sin, head_dim)
-        attended = attend(query, key, value, pool, index, rows, head_dim, scaling)
-        hidden = torch.ops.corechat.mlp(hidden, attended, *arguments.mlp)
     return hidden
 
 

@@ -1,7 +1,8 @@
 // A quantized Qwen2 decoder layer's work around its products, in three operators, so that a layer
 // costs the interpreter three calls instead of dozens: torch.ops.corechat.rms_norm,
 // .attention_inputs (norm, q/k/v products, rotary) and .mlp (output product, residual, norm,
-// gate/up products, SiLU, down product, residual).
+// gate/up products, SiLU, down product, residual); and .run_layers, every layer of a model
+// (.register_layers) with the paged attention between, in one call.
 //
 // Each element is computed as transformers computes it, in float32 and rounded to bfloat16 after
 // every operation it rounds after (the rotary's products and sum, the residual sums, the norm's
@@ -17,6 +18,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -183,6 +186,90 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     return sum;
 }
 
+// A quantized model's decoder layers, handed over once (register_layers) so that a forward runs them
+// all in one call (run_layers): a decode step then pays the interpreter once, not three times a layer.
+struct LayerArguments {
+    at::Tensor attention_norm, mlp_norm;
+    double attention_eps, mlp_eps;
+    std::vector<at::Tensor> attention_weights, attention_scales, mlp_weights, mlp_scales;
+    c10::List<std::optional<at::Tensor>> attention_biases, mlp_biases;
+    std::vector<int64_t> attention_outputs, mlp_outputs;
+};
+
+struct RegisteredLayers {
+    std::vector<LayerArguments> layers;
+    int64_t format, head_dim;
+    double scaling;
+};
+
+std::mutex registry_mutex;
+std::vector<std::shared_ptr<const RegisteredLayers>> registry;
+
+constexpr size_t kAttentionProducts = 3, kMlpProducts = 4, kProducts = kAttentionProducts + kMlpProducts;
+
+// Keep a model's layers for run_layers: per layer its two norms' weights and epsilons, then its
+// products q, k, v, o, gate, up, down (weights, scales, biases, outputs), layer after layer.
+int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<double>& epsilons,
+                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                        const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
+                        int64_t format, int64_t head_dim, double scaling) {
+    const size_t count = norms.size() / 2;
+    TORCH_CHECK(count > 0 && norms.size() == 2 * count && epsilons.size() == 2 * count, "two norms per layer");
+    TORCH_CHECK(weights.size() == kProducts * count && scales.size() == weights.size() && biases.size() == weights.size() &&
+                outputs.size() == weights.size(), "seven products per layer");
+    TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
+    auto model = std::make_shared<RegisteredLayers>();
+    model->format = format;
+    model->head_dim = head_dim;
+    model->scaling = scaling;
+    for (size_t layer = 0; layer < count; ++layer) {
+        LayerArguments arguments;
+        arguments.attention_norm = norms[2 * layer];
+        arguments.mlp_norm = norms[2 * layer + 1];
+        arguments.attention_eps = epsilons[2 * layer];
+        arguments.mlp_eps = epsilons[2 * layer + 1];
+        for (size_t index = 0; index < kProducts; ++index) {
+            const size_t at = kProducts * layer + index;
+            const bool before = index < kAttentionProducts;
+            (before ? arguments.attention_weights : arguments.mlp_weights).push_back(weights[at]);
+            (before ? arguments.attention_scales : arguments.mlp_scales).push_back(scales[at]);
+            (before ? arguments.attention_biases : arguments.mlp_biases).push_back(biases.get(at));
+            (before ? arguments.attention_outputs : arguments.mlp_outputs).push_back(outputs[at]);
+        }
+        model->layers.push_back(std::move(arguments));
+    }
+    std::lock_guard<std::mutex> hold(registry_mutex);
+    registry.push_back(std::move(model));
+    return static_cast<int64_t>(registry.size()) - 1;
+}
+
+// Every registered layer over rows of tokens: attention_inputs, paged_attention and mlp a layer at a
+// time, the same calls the interpreter would make; returns the last layer's hidden states.
+at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& pool, const at::Tensor& tables, const at::Tensor& row_sequences,
+                      const at::Tensor& positions) {
+    std::shared_ptr<const RegisteredLayers> layers;
+    {
+        std::lock_guard<std::mutex> hold(registry_mutex);
+        TORCH_CHECK(model >= 0 && model < static_cast<int64_t>(registry.size()), "no registered layers ", model);
+        layers = registry[model];
+    }
+    at::Tensor states = hidden;
+    const int64_t rows = hidden.size(0), head_dim = layers->head_dim;
+    for (size_t index = 0; index < layers->layers.size(); ++index) {
+        const LayerArguments& layer = layers->layers[index];
+        std::vector<at::Tensor> projected = attention_inputs(
+            states, layer.attention_norm, layer.attention_eps, layer.attention_weights, layer.attention_scales,
+            layer.attention_biases, layer.attention_outputs, layers->format, cos, sin, head_dim);
+        at::Tensor attended = paged_attention(projected[0].view({rows, -1, head_dim}), projected[1].view({rows, -1, head_dim}),
+                                              projected[2].view({rows, -1, head_dim}), pool, static_cast<int64_t>(index),
+                                              tables, row_sequences, positions, layers->scaling, 0);
+        states = mlp(states, attended.view({rows, -1}), layer.mlp_norm, layer.mlp_eps, layer.mlp_weights, layer.mlp_scales,
+                     layer.mlp_biases, layer.mlp_outputs, layers->format);
+    }
+    return states;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(corechat, m) {
@@ -192,6 +279,10 @@ TORCH_LIBRARY_FRAGMENT(corechat, m) {
           attention_inputs);
     m.def("mlp(Tensor hidden, Tensor attended, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
           "Tensor?[] biases, int[] outputs, int format) -> Tensor", mlp);
+    m.def("register_layers(Tensor[] norms, float[] epsilons, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
+          "int[] outputs, int format, int head_dim, float scaling) -> int", register_layers);
+    m.def("run_layers(int model, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor tables, "
+          "Tensor row_sequences, Tensor positions) -> Tensor", run_layers);
 }
 
 }  // namespace corechat

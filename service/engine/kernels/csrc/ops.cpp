@@ -201,6 +201,8 @@ void write_rows(const PagedAttention& task, const at::Tensor& keys, const at::Te
     }
 }
 
+}  // namespace
+
 // torch.ops.corechat.paged_attention: write each row's keys and values into the pool, then attend
 // (kernels.h: PagedAttention); [rows, heads, dim] out.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, at::Tensor& pool,
@@ -249,6 +251,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
     at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) { kernel(task, begin, end); });
     return output;
 }
+
+namespace {
 
 std::vector<int64_t> page_layout() { return {kPageTokens, kKeyBlock}; }
 

@@ -18,4 +18,10 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path);
 
+// torch.ops.corechat.paged_attention: write each row's keys and values into the pool's pages, then
+// attend (kernels.h: PagedAttention); path 0 is the best this CPU runs.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, at::Tensor& pool,
+                           int64_t layer, const at::Tensor& tables, const at::Tensor& row_sequences,
+                           const at::Tensor& positions, double scale, int64_t path);
+
 }  // namespace corechat
