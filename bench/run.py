@@ -34,7 +34,8 @@ from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa:
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.comparison import peer_ratios, render_peer_table  # noqa: E402
-from service.settings import Settings, physical_cores  # noqa: E402
+from service.settings import Settings  # noqa: E402
+from service.topology import physical_cores  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."

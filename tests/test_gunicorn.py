@@ -127,7 +127,7 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
 
 def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
     """Pinned to its own cores, a worker counted the cores it could still see: `workers: 1` while two ran."""
-    from service.settings import physical_cores
+    from service.topology import physical_cores
     from support import GunicornServer, scrape
 
     server = GunicornServer(tmp_path, workers=physical_cores(), pin_workers=True)
@@ -149,7 +149,7 @@ def master_only(server):
         assert wait_until(lambda: "Booting worker" in server.log(), 60), server.log()
         yield server
     finally:
-        from service.lifecycle import WORKER_BOOT_ERROR
+        from service.process.lifecycle import WORKER_BOOT_ERROR
 
         # A worker still importing when the master's SIGQUIT reaches it fails its boot (its exit
         # interrupts the import), and the master then halts with Gunicorn's WORKER_BOOT_ERROR

@@ -1,4 +1,4 @@
-"""The HTTP front of a worker (service/worker.py) under real Gunicorn with its default settings:
+"""The HTTP front of a worker (service/process/worker.py) under real Gunicorn with its default settings:
 requests are read whole in the event loop before a thread takes them, errors Gunicorn and the
 worker raise are OpenAI-shaped, and a half-closed client is not a gone one.
 """

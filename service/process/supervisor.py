@@ -1,16 +1,16 @@
 """The systemd unit's main process: it holds the listening socket and runs Gunicorn masters under it.
 
-    python -m service.supervisor [--open-files N] [--control-socket PATH] [-- GUNICORN ARGS...]
+    python -m service.process.supervisor [--open-files N] [--control-socket PATH] [-- GUNICORN ARGS...]
 
 systemd starts this process and it stays the unit's main process for the unit's whole life, so
 systemd always supervises a process it started and sees every exit, stop and crash; a Gunicorn
 master that USR2 starts is not systemd's child, and systemd neither drains it on stop nor notices
 its end. The supervisor imports neither torch nor Flask, and reads /proc of its own children only.
 
-- It listens on BIND through a socket systemd keeps across restarts (service/listener.py).
+- It listens on BIND through a socket systemd keeps across restarts (service/process/listener.py).
 - It runs a Gunicorn master as its child on that socket and tells systemd READY=1 once all of its
   workers are ready (each accepts connections only once its model is loaded and warmed up).
-- A reload (`python -m service.reload`, over the control socket) starts a second master on the same
+- A reload (`python -m service.process.reload`, over the control socket) starts a second master on the same
   socket with the code now on disk. Once all of its workers are ready the old master gets TERM (its
   workers stop accepting at once and finish what they serve), and the reload answers once the old
   master has exited. One that cannot complete (the new master exits, or its workers are not ready
@@ -42,7 +42,7 @@ from pathlib import Path
 from . import systemd
 from .listener import STORED_SOCKET_NAME, listening_socket
 from .multiproc import empty_multiproc_dir, worker_reported_ready
-from .settings import Settings, get_settings
+from ..settings import Settings, get_settings
 
 log = logging.getLogger("corechat.supervisor")
 

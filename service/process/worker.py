@@ -3,7 +3,7 @@
 Gunicorn's gthread worker hands a connection to a request thread as soon as its first byte arrives,
 and the thread then waits for the rest: sixteen clients that send half a request held every thread
 of a worker, and probes timed out behind them. Here the worker's selector loop reads every request
-to its end (h11 frames it, service/arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
+to its end (h11 frames it, service/process/arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
 and only then gives a request thread what h11 decoded, rebuilt as one Content-Length request that
 Gunicorn parses from memory before it runs the app. Keep-alive connections wait in the same loop
 between requests.
@@ -18,8 +18,7 @@ other quick requests find a free one. A response whose client reads none of it f
 SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
 
 A worker starts accepting connections only once its engine is ready, so no request waits on a model
-load. This module is imported by Gunicorn's master (it resolves the worker class), so it imports
-neither Flask nor torch at the top.
+load.
 """
 
 import errno
@@ -35,9 +34,11 @@ from gunicorn import http
 from gunicorn.http import errors as gunicorn_errors
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
+from ..errors import RETRY_AFTER_SECONDS
+from ..metrics import count_refused_by_worker, send_timeouts_total
+from ..settings import get_settings
 from .arrival import GUNICORN_ERRORS, MALFORMED, ArrivingRequest, RefusedRequest, WholeRequest, http_error
 from .refusal import access_entry, render
-from .settings import get_settings
 
 READ_BYTES = 64 * 1024
 ACCEPT_BATCH = 16
@@ -66,20 +67,6 @@ class Connection(TConn):
         self.leftover = b""
         self.arrived: ArrivingRequest | None = None
         self.send_timed_out = False
-
-
-def count_refusal(code: str) -> None:
-    """Count a chat request the worker refused in the metrics (in the worker, after fork)."""
-    from .metrics import count_refused_by_worker
-
-    count_refused_by_worker(code)
-
-
-def count_send_timeout() -> None:
-    """Count a response cut because its client read none of it for SEND_TIMEOUT_SECONDS."""
-    from .metrics import send_timeouts_total
-
-    send_timeouts_total.inc()
 
 
 class CorechatWorker(ThreadWorker):
@@ -381,7 +368,7 @@ class CorechatWorker(ThreadWorker):
                 "closed the connection of %s: it read nothing of its response for %g seconds (SEND_TIMEOUT_SECONDS)",
                 conn.client, self.send_seconds,
             )
-            count_send_timeout()
+            send_timeouts_total.inc()
             return False
 
     def _keepalive_after(self, conn, keepalive):
@@ -411,9 +398,6 @@ class CorechatWorker(ThreadWorker):
 
     def overloaded(self, reason: str = "") -> RefusedRequest:
         """Build the 503 of a request this worker has no room for."""
-        # Imported here: the constant's module imports Flask (see http_error).
-        from .errors import RETRY_AFTER_SECONDS
-
         return RefusedRequest(
             503,
             reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
@@ -451,7 +435,7 @@ class CorechatWorker(ThreadWorker):
         self.send_now(conn, response)
         line = arriving.request_line()
         if line is not None and line[0] == b"POST":
-            count_refusal(refused.code)
+            count_refused_by_worker(refused.code)
         self.log_answer(arriving, refused.status, len(response))
         self.linger(conn)
 

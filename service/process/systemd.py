@@ -7,16 +7,38 @@ LISTEN_PID names. Without systemd (NOTIFY_SOCKET unset) notifications go nowhere
 """
 
 import logging
+import os
 import socket
-
-from .settings import systemd_listen_fds, systemd_notify_socket
 
 log = logging.getLogger(__name__)
 
 
+def notify_socket() -> str:
+    """Return the socket systemd gave this process for its notifications (NOTIFY_SOCKET), or "".
+
+    systemd's protocol, not a setting: systemd sets it for the processes of a Type=notify unit.
+    """
+    return os.environ.get("NOTIFY_SOCKET", "")
+
+
+def listen_fds() -> list[tuple[int, str]]:
+    """Return the descriptors systemd passed this process (from 3 on) with their names, once.
+
+    systemd's protocol, not a setting: LISTEN_FDS counts them, LISTEN_FDNAMES names them, and they
+    are meant only for the process LISTEN_PID names. The variables are removed, as sd_listen_fds(3)
+    does, so no child mistakes them for its own.
+    """
+    meant_for_us = os.environ.pop("LISTEN_PID", "") == str(os.getpid())
+    count = int(os.environ.pop("LISTEN_FDS", "0") or 0)
+    names = os.environ.pop("LISTEN_FDNAMES", "").split(":")
+    if not meant_for_us:
+        return []
+    return [(3 + index, names[index] if index < len(names) else "unknown") for index in range(count)]
+
+
 def notify(message: str, fds: tuple[int, ...] = ()) -> bool:
     """Send a notification (with descriptors attached, for FDSTORE=1) and tell whether it went out."""
-    address = systemd_notify_socket()
+    address = notify_socket()
     if not address:
         return False
     if address.startswith("@"):
@@ -34,7 +56,7 @@ def notify(message: str, fds: tuple[int, ...] = ()) -> bool:
 def passed_sockets() -> dict[str, list[socket.socket]]:
     """Return the sockets systemd passed this process, by name, and mark them close-on-exec."""
     passed: dict[str, list[socket.socket]] = {}
-    for fd, name in systemd_listen_fds():
+    for fd, name in listen_fds():
         sock = socket.socket(fileno=fd)
         sock.set_inheritable(False)
         passed.setdefault(name, []).append(sock)

@@ -11,7 +11,7 @@ differently from what the loop admitted.
 Every byte a client can make a worker hold is bounded here: the head by MAX_HEAD_BYTES, the decoded
 body by MAX_REQUEST_BYTES, and the chunked framing (size lines, extensions, CRLFs, trailers), which
 costs parsing work without adding body, by FRAMING_BASE_BYTES plus one byte per FRAMING_BODY_SHARE
-body bytes. Imported by Gunicorn's master with the worker class: no Flask or torch at the top.
+body bytes.
 """
 
 import re
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import h11
 from gunicorn.http import errors as gunicorn_errors
+
+from ..errors import APIError, raw_error_response
 
 # h11 refuses a request head (request line and headers) larger than this with a 431; Gunicorn's own
 # limits (a 4094-byte request line, fields of 8190 bytes) then apply to what passes. Empty lines
@@ -252,9 +254,6 @@ class ArrivingRequest:
 
 def http_error(status: int, message: str, code: str, headers: dict | None = None) -> bytes:
     """Render an error as a whole HTTP/1.1 response in OpenAI's error shape that closes the connection."""
-    # Here, not at the top: the errors module imports Flask, which Gunicorn's master does without.
-    from .errors import APIError, raw_error_response
-
     error = APIError(message, code=code, headers=headers)
     error.status = status
     error.type = "invalid_request_error" if status < 500 else "server_error"

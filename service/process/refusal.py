@@ -3,14 +3,14 @@ access-log entry that makes the answer visible like any other response.
 
 Gunicorn writes the access log (and, with `statsd_host`, its request counters) from a response, a
 request and a WSGI environ after each request the app served; the loop's answers never reach the
-app, so they get small stand-ins with the fields the log reads. Imported by Gunicorn's master with
-the worker class: no Flask or torch at the top.
+app, so they get small stand-ins with the fields the log reads.
 """
 
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
 
+from ..auth import cors_headers
 from .arrival import ArrivingRequest, RefusedRequest, http_error
 
 UNKNOWN = "-"
@@ -34,9 +34,6 @@ class LoggedRequest:
 
 def render(refused: RefusedRequest, arriving: ArrivingRequest, cors_origins: frozenset[str]) -> bytes:
     """Render a refusal as a whole response; a page on an allowed origin may read it (and its Retry-After)."""
-    # Imported here: the auth module imports Flask, which Gunicorn's master does without.
-    from .auth import cors_headers
-
     origin = arriving.header(b"origin")
     headers = {**(refused.headers or {}), **cors_headers(origin.decode("latin-1") if origin else None, cors_origins)}
     return http_error(refused.status, refused.message, refused.code, headers)
