@@ -28,7 +28,8 @@ def create_app(settings: Settings | None = None, *, engine=None, cache=None):
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
     from flask import Flask
 
-    from . import api, auth, errors, limits, metrics, openapi, ui
+    from . import api, auth, errors, limits, openapi, ui
+    from .observability import metrics
     from .cache import init_app as init_cache
 
     settings = settings or get_settings()

@@ -14,9 +14,9 @@ from .disconnect import WatchedSource
 from .errors import InvalidRequest
 from .limits import read_request_body
 from .naming import resolve_model_name
-from .observed import EngineWork, observe
+from .observability.observed import EngineWork, observe
 from .protocol import Health, Model, ModelList, Readiness
-from .request_record import current_record
+from .observability.request_record import current_record
 from .schemas import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 

@@ -16,11 +16,11 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from support import COUNTING, chat, parse_samples, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
 
-from service import metrics
+from service.observability import metrics
 from service.cache import Flight
 from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
-from service.observed import EngineWork, ObservedGeneration
+from service.observability.observed import EngineWork, ObservedGeneration
 
 STREAMS = 4
 
@@ -336,7 +336,7 @@ def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, 
     """The `first token timings` line of a real streamed request: its parts, none negative, add up."""
     from bench.first_token import parse_timings
 
-    with caplog.at_level("DEBUG", logger="service.observed"):
+    with caplog.at_level("DEBUG", logger="service.observability.observed"):
         response = client.post("/v1/chat/completions", json={"messages": COUNTING, "max_tokens": 3, "stream": True},
                                headers={"Cache-Control": "no-cache"})
         assert response.status_code == 200

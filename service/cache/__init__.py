@@ -14,9 +14,9 @@ import time
 
 from flask import request
 
-from .. import metrics
 from ..engine import EventSource
-from ..request_record import current_record
+from ..observability import metrics
+from ..observability.request_record import current_record
 from .entries import CachedReply, cache_key, is_reproducible
 from .flights import Flight, FlightReader
 from .runs import Run

@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from ..engine.cores import SLOT_BYTES, SharedCores, busy_cpu_seconds
-from ..metrics import report_not_ready, report_ready
+from ..observability.metrics import report_not_ready, report_ready
 from ..topology import physical_core_groups, physical_cores
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,9 @@ def import_worker_libraries(model: str) -> None:
     import gc
 
     # The engine package re-exports lazily: its core (torch, transformers) is imported by name.
-    from .. import api, auth, cache, chat, errors, limits, metrics, observed, openapi, ui  # noqa: F401
+    from .. import api, auth, cache, chat, errors, limits, openapi, ui  # noqa: F401
     from ..engine import core  # noqa: F401
+    from ..observability import metrics, observed  # noqa: F401
     from ..engine.loading import preload_tokenizer
     from ..engine.memory import return_freed_memory
 

@@ -1,7 +1,7 @@
 """The folder of metric value files that a service's workers share (prometheus_client's multiprocess
 mode), read and tidied by the processes above them: Gunicorn's master hooks and the supervisor.
 
-Without Flask (the supervisor never imports it); service/metrics.py writes the files.
+Without Flask (the supervisor never imports it); service/observability/metrics.py writes the files.
 """
 
 import logging

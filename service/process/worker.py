@@ -35,7 +35,7 @@ from gunicorn.http import errors as gunicorn_errors
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from ..errors import RETRY_AFTER_SECONDS
-from ..metrics import count_refused_by_worker, send_timeouts_total
+from ..observability.metrics import count_refused_by_worker, send_timeouts_total
 from ..settings import get_settings
 from .arrival import GUNICORN_ERRORS, MALFORMED, ArrivingRequest, RefusedRequest, WholeRequest, http_error
 from .refusal import access_entry, render

@@ -11,7 +11,7 @@ import threading
 import time
 
 from . import metrics
-from .engine import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, Started, TextDelta
+from ..engine import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, Started, TextDelta
 from .request_record import current_record
 
 log = logging.getLogger(__name__)
