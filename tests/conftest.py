@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from service import create_app
+from service.app import create_app
 from service.settings import Settings
 from support import TINY_MODEL_DIR
 

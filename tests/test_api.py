@@ -90,7 +90,7 @@ def test_stream_without_usage_option_has_no_usage_field(client):
 
 
 def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir):
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     settings = make_settings(max_running=1, sse_ping_seconds=0.05)
@@ -272,7 +272,7 @@ def test_prompt_longer_than_context_gets_400(client):
 
 
 def test_max_tokens_above_configured_limit_gets_400(make_settings, engine):
-    from service import create_app
+    from service.app import create_app
 
     client = create_app(make_settings(max_model_len=256, max_tokens_limit=8), engine=engine).test_client()
     response = chat(client, max_tokens=9)
@@ -298,7 +298,7 @@ def test_health_and_readiness(client, engine):
 
 
 def test_readiness_is_503_until_the_model_is_loaded(make_settings):
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     engine = Engine(make_settings())
@@ -330,7 +330,7 @@ def test_doubled_slash_and_options_without_cors_get_json_errors_not_html(client)
 
 
 def test_omitted_sampling_fields_take_the_models_generation_config(app):
-    from service.schemas import parse_chat_request
+    from service.api.chat_request import parse_chat_request
 
     chat = app.extensions["corechat"].chat
     omitted = chat.prepare(parse_chat_request({"messages": USER})).params
@@ -356,7 +356,7 @@ STRICT_TEMPLATE = (
 @pytest.fixture(scope="module")
 def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
     """Return a client of the tiny model given a chat template that raises on role orders it refuses."""
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     model_dir = tmp_path_factory.mktemp("strict-template")
@@ -409,7 +409,7 @@ def test_a_chat_template_without_tool_support_gets_400_naming_tools(strict_templ
 
 
 def test_tools_and_a_tool_round_trip_render_through_the_models_template(app):
-    from service.schemas import parse_chat_request
+    from service.api.chat_request import parse_chat_request
 
     chat = app.extensions["corechat"].chat
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},

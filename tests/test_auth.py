@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import requests
 
-from service import create_app
+from service.app import create_app
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 ALLOWED_ORIGIN = "https://chat.example.com"

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from service import create_app
+from service.app import create_app
 from service.cache import CachedReply, cache_key
 from service.cache.entries import FlightRecord, flight_key, is_complete, lock_key, reply_key
 from service.engine import Finished, SamplingParams, TextDelta
-from service.schemas import parse_chat_request
+from service.api.chat_request import parse_chat_request
 from support import RedisServer
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]

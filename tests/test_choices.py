@@ -10,7 +10,7 @@ import requests
 
 from contract import sse_payloads
 from service.engine import SamplingParams
-from service.protocol import ChatCompletionChunk, CompletionChunk
+from service.api.responses import ChatCompletionChunk, CompletionChunk
 from support import GunicornServer, wait_until
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from contract import sse_payloads
-from service.protocol import Completion, CompletionChunk
+from service.api.responses import Completion, CompletionChunk
 from support import TEST_API_KEY, GunicornServer
 
 PROMPT = "Once upon a time, in a land of caches,"

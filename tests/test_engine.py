@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from service import create_app
+from service.app import create_app
 from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
 from support import file_mappings
 

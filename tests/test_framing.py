@@ -19,7 +19,7 @@ import h11
 import pytest
 
 from service.process.arrival import FRAMING_BASE_BYTES, FRAMING_BODY_SHARE
-from service.nesting import MAX_JSON_DEPTH
+from service.api.nesting import MAX_JSON_DEPTH
 from service.settings import Settings
 from support import GunicornServer, wait_until
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from contract import assert_matches_contract
-from service import create_app
+from service.app import create_app
 
 FUZZ = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -48,7 +48,7 @@ def integers_around(low: int, high: int):
     return st.one_of(st.integers(min_value=low - 3, max_value=min(high + 3, low + 50)), st.sampled_from(int_edges(low, high)))
 
 
-# The range the schema accepts for each numeric field (service/schemas.py).
+# The range the schema accepts for each numeric field (service/api/chat_request.py).
 NUMERIC_FIELDS = {
     "max_tokens": (1, INT64),
     "max_completion_tokens": (1, INT64),

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from service import create_app
+from service.app import create_app
 from service.engine import Engine
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]

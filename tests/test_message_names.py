@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 
-from service.schemas import ChatMessage
+from service.api.chat_request import ChatMessage
 from support import GunicornServer
 
 # Qwen2.5's user turn, with the speaker's name after the role when the message has one.

@@ -10,7 +10,7 @@ import requests
 from jsonschema import Draft202012Validator
 
 from contract import assert_matches_contract, schema_validator
-from service import create_app
+from service.app import create_app
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 FORCED_CALL = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {

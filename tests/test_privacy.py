@@ -106,7 +106,7 @@ def test_every_page_file_carries_the_security_headers(keyed, path):
 
 
 def test_secrets_stay_out_of_reprs_logs_and_error_bodies(keyed, locked_redis, make_settings, engine, caplog):
-    from service import create_app
+    from service.app import create_app
 
     settings = Settings(redis_url=f"redis://:{REDIS_PASSWORD}@127.0.0.1:1/0", api_keys=",".join(KEYS))
     assert not any(secret in f"{settings!r} {settings}" for secret in (REDIS_PASSWORD, *KEYS))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from service.toolcalls import ToolCallParser, merge_deltas
+from service.api.toolcalls import ToolCallParser, merge_deltas
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"note": "}</tool_call"}]}}\n</tool_call>'
 

@@ -1,5 +1,6 @@
 """What Gunicorn's hooks do: give workers slots and cores, then start each worker's engine."""
 
+import gc
 import logging
 import mmap
 import os
@@ -34,12 +35,7 @@ def import_worker_libraries(model: str) -> None:
     would keep it in the master's heap, where it lingers as the master's own once the workers
     (which trim theirs when idle) drop their copies of those pages.
     """
-    import gc
-
-    # The engine package re-exports lazily: its core (torch, transformers) is imported by name.
-    from .. import api, auth, cache, chat, errors, limits, openapi, ui  # noqa: F401
-    from ..engine import core  # noqa: F401
-    from ..observability import metrics, observed  # noqa: F401
+    from .. import app  # noqa: F401 (the whole app, the engine's core with torch and transformers among it)
     from ..engine.loading import preload_tokenizer
     from ..engine.memory import return_freed_memory
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
 
-from ..auth import cors_headers
+from ..api.auth import cors_headers
 from .arrival import ArrivingRequest, RefusedRequest, http_error
 
 UNKNOWN = "-"

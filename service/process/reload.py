@@ -2,7 +2,7 @@
 
     python -m service.process.reload [--control-socket PATH]
 
-The supervisor (service/process/supervisor.py) starts new Gunicorn workers with the code on disk beside
+The supervisor (supervisor.py) starts new Gunicorn workers with the code on disk beside
 the serving ones, retires the old ones once the new ones are ready, and answers when the old master
 has drained and exited, or why the reload could not complete. This prints its lines (to the journal,
 under systemd) and exits 0 only for a reload that completed, so `systemctl reload` fails truthfully.

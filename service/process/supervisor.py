@@ -7,7 +7,7 @@ systemd always supervises a process it started and sees every exit, stop and cra
 master that USR2 starts is not systemd's child, and systemd neither drains it on stop nor notices
 its end. The supervisor imports neither torch nor Flask, and reads /proc of its own children only.
 
-- It listens on BIND through a socket systemd keeps across restarts (service/process/listener.py).
+- It listens on BIND through a socket systemd keeps across restarts (listener.py).
 - It runs a Gunicorn master as its child on that socket and tells systemd READY=1 once all of its
   workers are ready (each accepts connections only once its model is loaded and warmed up).
 - A reload (`python -m service.process.reload`, over the control socket) starts a second master on the same

@@ -3,7 +3,7 @@
 Gunicorn's gthread worker hands a connection to a request thread as soon as its first byte arrives,
 and the thread then waits for the rest: sixteen clients that send half a request held every thread
 of a worker, and probes timed out behind them. Here the worker's selector loop reads every request
-to its end (h11 frames it, service/process/arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
+to its end (h11 frames it, arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
 and only then gives a request thread what h11 decoded, rebuilt as one Content-Length request that
 Gunicorn parses from memory before it runs the app. Keep-alive connections wait in the same loop
 between requests.

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from .engine import (
+from ..engine import (
     ChoiceEvent,
     ChoiceGroup,
     EngineOverloaded,
@@ -20,8 +20,8 @@ from .engine import (
     TextDelta,
     choice_seed,
 )
-from .errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
-from .protocol import PromptTokensDetails, Usage
+from ..errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
+from .responses import PromptTokensDetails, Usage
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from . import nesting
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 MAX_STOP_STRINGS = 4
 # The most choices (n) one request may ask for; each is a running sequence of its own.
@@ -249,7 +249,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # The legacy form of tools and tool_choice, answered in its own shape (service/legacy_functions.py).
+    # The legacy form of tools and tool_choice, answered in its own shape (legacy_functions.py).
     functions: list[FunctionDefinition] | None = Field(None, min_length=1)
     function_call: Literal["none", "auto"] | FunctionChoice | None = None
     # Declared to be refused, not silently dropped: the model reads and writes text only.

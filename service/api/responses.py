@@ -4,16 +4,16 @@
 Rendered with `model_dump(exclude_unset=True)`: a field with a default goes out only when it is set, so
 each object carries exactly the fields OpenAI's carries in that case (`usage` on a stream's chunks only
 with `include_usage`, `tool_calls` only when the reply called tools), while a field set to None is
-sent as `null`. A stream's chunks are built as plain data, per token (service/chat.py);
-tests/test_protocol.py holds each to ChatCompletionChunk byte for byte.
+sent as `null`. A stream's chunks are built as plain data, per token (chat.py);
+tests/test_responses.py holds each to ChatCompletionChunk byte for byte.
 """
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import ErrorResponse
-from .schemas import MAX_CHOICES, MAX_TOP_LOGPROBS, CalledFunction, ToolCall
+from ..errors import ErrorResponse
+from .chat_request import MAX_CHOICES, MAX_TOP_LOGPROBS, CalledFunction, ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]

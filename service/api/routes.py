@@ -8,20 +8,20 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel
 
 from .auth import caller_key_hash, may_see_details
-from .cache import no_cache_requested, settled_status
-from .completion_schemas import parse_completion_request
+from ..cache import no_cache_requested, settled_status
+from .completion_request import parse_completion_request
 from .disconnect import WatchedSource
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .limits import read_request_body
 from .naming import resolve_model_name
-from .observability.observed import EngineWork, observe
-from .protocol import Health, Model, ModelList, Readiness
-from .observability.request_record import current_record
-from .schemas import parse_chat_request, parse_json_body
+from ..observability.observed import EngineWork, observe
+from .responses import Health, Model, ModelList, Readiness
+from ..observability.request_record import current_record
+from .chat_request import parse_chat_request, parse_json_body
 from .sse import SSE_HEADERS
 
 if TYPE_CHECKING:
-    from .engine import EventSource, Generation
+    from ..engine import EventSource, Generation
 
 bp = Blueprint("api", __name__)
 

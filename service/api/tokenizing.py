@@ -7,13 +7,13 @@ tokenizer and chat template; this class checks the request against them and know
 """
 
 from .chat import ChatCompletions
-from .engine import TemplateRefused
-from .errors import RETRY_AFTER_SECONDS, InvalidRequest, Overloaded
+from ..engine import TemplateRefused
+from ..errors import RETRY_AFTER_SECONDS, InvalidRequest, Overloaded
 from .limits import check_message_count, check_prompt_text
 from .naming import resolve_model_name
-from .protocol import DetokenizeResponse, TokenizeResponse
-from .schemas import check_messages, parse_body
-from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
+from .responses import DetokenizeResponse, TokenizeResponse
+from .chat_request import check_messages, parse_body
+from .tokenize_request import DetokenizeRequest, TokenizeRequest
 
 def _engine_unavailable() -> Overloaded:
     """Build the 503 of a worker whose tokenizer is not loaded."""

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import (
+from ..engine import (
     ChoiceEvent,
     ChoiceGroup,
     EventSource,
@@ -25,12 +25,12 @@ from .engine import (
     text_or_tool_call_grammar,
     tool_call_grammar,
 )
-from .errors import ContextLengthExceeded, InternalError, InvalidRequest
+from ..errors import ContextLengthExceeded, InternalError, InvalidRequest
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
-from .protocol import AssistantMessage, ChatCompletion, Choice
-from .schemas import CalledFunction, ChatCompletionRequest, SamplingFields
+from .responses import AssistantMessage, ChatCompletion, Choice
+from .chat_request import CalledFunction, ChatCompletionRequest, SamplingFields
 from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
@@ -227,7 +227,7 @@ class ChatCompletions:
 
     # Rendering -----------------------------------------------------------------------------
     # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
-    # half what building and dumping protocol.ChatCompletionChunk does. tests/test_protocol.py checks
+    # half what building and dumping responses.ChatCompletionChunk does. tests/test_responses.py checks
     # that every chunk validates as that model and renders byte for byte as the model renders it.
 
     def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,

@@ -3,7 +3,7 @@
 from flask import current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from .errors import APIError, InvalidRequest, error_response
+from ..errors import APIError, InvalidRequest, error_response
 
 
 class PayloadTooLarge(APIError):

@@ -1,7 +1,7 @@
 """The names the served model answers to, and the 404 for any other."""
 
-from .errors import NotFound
-from .settings import Settings
+from ..errors import NotFound
+from ..settings import Settings
 
 
 def resolve_model_name(settings: Settings, requested: str | None) -> str:

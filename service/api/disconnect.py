@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Iterator
 
-from .engine import Event, EventSource, Failed, Finished
+from ..engine import Event, EventSource, Failed, Finished
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import hmac
 
 from flask import current_app, make_response, request
 
-from .errors import APIError, Unauthorized
-from .observability.request_record import current_record
+from ..errors import APIError, Unauthorized
+from ..observability.request_record import current_record
 
 # Endpoints anyone may reach: liveness and readiness probes, and the chat page with its files
 # (the page must load without a key so the user can type one in).

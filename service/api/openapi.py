@@ -1,8 +1,9 @@
 """The published contract: an OpenAPI 3.1 document of every route, served at /openapi.json.
 
-Every schema is generated from the pydantic model that parses the request (service/schemas.py) or
-renders the response (service/protocol.py, service/errors.py), so the contract cannot drift from
-the code; this file says which route takes and answers which.
+Every schema is generated from the pydantic model that parses the request (chat_request.py,
+completion_request.py, tokenize_request.py) or renders the response (responses.py, and
+service/errors.py), so the contract cannot drift from the code; this file says which route takes and
+answers which.
 """
 
 from functools import lru_cache
@@ -10,10 +11,10 @@ from functools import lru_cache
 from flask import Blueprint, jsonify
 from pydantic.json_schema import models_json_schema
 
-from .protocol import RESPONSE_MODELS
-from .completion_schemas import CompletionRequest
-from .schemas import ChatCompletionRequest
-from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
+from .responses import RESPONSE_MODELS
+from .completion_request import CompletionRequest
+from .chat_request import ChatCompletionRequest
+from .tokenize_request import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("openapi", __name__)
 

@@ -1,6 +1,6 @@
 """The legacy text-completions serving class: a raw prompt (no chat template) to OpenAI's `text_completion` objects.
 
-It shares chat's limits, sampling defaults and queueing (service/chat.py) and knows nothing of Flask.
+It shares chat's limits, sampling defaults and queueing (chat.py) and knows nothing of Flask.
 """
 
 import logging
@@ -9,13 +9,13 @@ import uuid
 from dataclasses import dataclass
 
 from .chat import ChatCompletions
-from .completion_schemas import CompletionRequest
-from .engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs,
+from .completion_request import CompletionRequest
+from ..engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs,
                      TextDelta, TokenLogprob)
-from .errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
+from ..errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
-from .protocol import Completion, CompletionChoice, CompletionLogprobs
+from .responses import Completion, CompletionChoice, CompletionLogprobs
 from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
 from .sse import DONE, PING, sse_data
 

@@ -1,6 +1,6 @@
-"""The response models (service/protocol.py) against what the server sends.
+"""The response models (service/api/responses.py) against what the server sends.
 
-A stream's chunks are built as plain data for speed (service/chat.py); these tests hold that fast path to
+A stream's chunks are built as plain data for speed (service/api/chat.py); these tests hold that fast path to
 the model: every chunk a real server streams, and chunks of values the tiny model cannot be made to
 produce, validate as a ChatCompletionChunk and render byte for byte as the model renders them.
 """
@@ -8,12 +8,12 @@ produce, validate as a ChatCompletionChunk and render byte for byte as the model
 import pytest
 import requests
 
-from service.chat import ChatCompletions, render_logprob
+from service.api.chat import ChatCompletions, render_logprob
 from service.engine import TokenLogprob
 from service.errors import ErrorResponse
-from service.protocol import ChatCompletion, ChatCompletionChunk, Model, ModelList
-from service.schemas import parse_chat_request
-from service.sse import sse_data
+from service.api.responses import ChatCompletion, ChatCompletionChunk, Model, ModelList
+from service.api.chat_request import parse_chat_request
+from service.api.sse import sse_data
 from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
