@@ -44,7 +44,7 @@ install-packages:
 	fi
 
 demo-model: setup
-	@if [ -z "$(MODEL)" ]; then $(PY) -m service.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
+	@if [ -z "$(MODEL)" ]; then $(PY) -m devtools.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
 
 # Serve on the embedded default: the demo model (random weights!) unless MODEL is set.
 serve: demo-model

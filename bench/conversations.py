@@ -155,7 +155,7 @@ def with_peer(scratch: Path, peer_model: Path, measure) -> dict:
 
 def run(sizes: Sizes, peer: bool, settings: dict | None = None) -> dict:
     """Run the rounds (`settings` for the multi-turn corechat server); return every round's figures."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     model_dir = CACHE_DIR / ("test-tiny" if sizes.preset == "tiny" else f"bench-{sizes.preset}")
     build_dev_model(model_dir, sizes.preset)

@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--name", default="first-token")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.settings import Settings
 
     preset = "tiny" if args.model_dir.name == "test-tiny" else "qwen2.5-0.5b"

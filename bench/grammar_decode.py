@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.settings import Settings
 
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ def load_dev_model(dtype: str):
 
     dtype is a DTYPE value: int8 and int4 map (converting once) the quantized file a worker maps.
     """
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
     from service.engine.prepare import prepare_model

@@ -447,7 +447,7 @@ def vector_extensions() -> list[str]:
 
 def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
     """Measure everything and return the results."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     cores = physical_cores()
     progress(f"dev model {plan.preset} in {plan.model_dir} (built once)")

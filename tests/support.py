@@ -105,7 +105,7 @@ class GunicornServer:
 
     def __init__(self, log_dir: Path, *, workers: int = 2, app: str | None = None, **settings):
         if "model" not in settings:
-            from service.devmodel import build_dev_model
+            from devtools.devmodel import build_dev_model
 
             settings = {"model": build_dev_model(TINY_MODEL_DIR, preset="tiny"), "model_name": "tiny", **settings}
         self.port = free_port()

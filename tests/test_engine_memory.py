@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from service.devmodel import make_model_config
+from devtools.devmodel import make_model_config
 from service.engine.kvcache import cache_layers
 from service.engine.memory import kv_bytes_per_token, kv_token_budget, reserved_kv_tokens
 from service.settings import Settings

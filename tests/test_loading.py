@@ -15,7 +15,7 @@ from support import REPO, file_mappings, free_port
 
 
 def test_missing_folder_names_the_fix(tmp_path):
-    with pytest.raises(ModelNotFound, match="service.devmodel"):
+    with pytest.raises(ModelNotFound, match="devtools.devmodel"):
         resolve_model_dir(str(tmp_path / "nothing-here"))
 
 
@@ -87,7 +87,7 @@ def test_gunicorn_stops_with_the_reason_when_the_model_is_missing(tmp_path):
         timeout=120,
     )
     assert result.returncode != 0
-    assert "service.devmodel" in result.stdout + result.stderr
+    assert "devtools.devmodel" in result.stdout + result.stderr
     assert time.monotonic() - began < 60
 
 

@@ -36,7 +36,7 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") != 1:
         raise ModelNotFound(
             f"model folder {model} does not exist; build the demo model with "
-            f"`python -m service.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
+            f"`python -m devtools.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

@@ -4,8 +4,8 @@ The folder looks like a real Qwen2.5-Instruct checkpoint (config, bf16 safetenso
 defaults, the real Qwen2 byte-level BPE tokenizer and Qwen2.5's chat template), so the serving code
 runs unchanged; only the weights are random, so the text it generates is gibberish.
 
-    python -m service.devmodel OUT_DIR --preset tiny
-    python -m service.devmodel OUT_DIR --preset qwen2.5-0.5b
+    python -m devtools.devmodel OUT_DIR --preset tiny
+    python -m devtools.devmodel OUT_DIR --preset qwen2.5-0.5b
 """
 
 import argparse
@@ -381,7 +381,7 @@ def write_json_atomically(path: Path, payload: dict) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m service.devmodel",
+        prog="python -m devtools.devmodel",
         description="Build a random-weight Qwen2.5-shaped model folder for development.",
     )
     parser.add_argument("out_dir", type=Path, help="folder to write the model into")
