@@ -144,6 +144,9 @@ def master_only(server):
     (SIGINT). The folder is the master's business: the worker need not load the model first, nor
     the master import the workers' libraries."""
     server.env["PRELOAD_LIBRARIES"] = "false"
+    # A worker that the master's SIGQUIT reaches just after fork, before it has set its own signal
+    # handlers, never sees it: the master then kills it after GRACEFUL_TIMEOUT, and exits all the same.
+    server.env["GRACEFUL_TIMEOUT"] = "5"
     server.launch()
     try:
         assert wait_until(lambda: "Booting worker" in server.log(), 60), server.log()
