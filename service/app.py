@@ -4,8 +4,6 @@ Gunicorn's master never imports this module, so it imports the whole app at the 
 """
 
 import logging
-import time
-from dataclasses import dataclass, field
 
 from flask import Flask
 
@@ -13,38 +11,30 @@ from . import errors
 from .api import auth, limits, openapi, routes, ui
 from .api.chat import ChatCompletions
 from .api.completions import TextCompletions
+from .api.corechat import Corechat
+from .api.serving import ChatEngine
 from .api.tokenizing import Tokenization
+from .cache import ResponseCache
 from .cache import init_app as init_cache
 from .engine import Engine
 from .observability import metrics
 from .settings import Settings, get_settings
 
 
-@dataclass
-class Corechat:
-    """What the views need, kept on the app: settings, the engine and the serving classes."""
-
-    settings: Settings
-    engine: object
-    chat: object
-    completions: object
-    tokens: object
-    started_at: int = field(default_factory=lambda: int(time.time()))
-
-
-def create_app(settings: Settings | None = None, *, engine=None, cache=None):
+def create_app(settings: Settings | None = None, *, engine: ChatEngine | None = None,
+               cache: ResponseCache | None = None) -> Flask:
     """Build the Flask app; the engine is created here but started by the worker hook (or a test)."""
     settings = settings or get_settings()
     # Named by its package: Flask serves the package's static/ folder and logs under its name.
     app = Flask(__package__)
     configure_logging(settings)
-    register_core(app, settings, engine)
-    init_cache(app, cache)
+    register_core(app, settings, engine or Engine(settings))
+    init_cache(app, settings, cache)
     errors.init_app(app)
     auth.init_app(app)
-    limits.init_app(app)
+    limits.init_app(app, settings)
     routes.init_app(app)
-    metrics.init_app(app)
+    metrics.init_app(app, settings)
     openapi.init_app(app)
     ui.init_app(app)
     return app
@@ -57,9 +47,8 @@ def configure_logging(settings: Settings) -> None:
     )
 
 
-def register_core(app, settings: Settings, engine) -> None:
-    """Attach the engine and the serving classes to the app."""
-    engine = engine or Engine(settings)
+def register_core(app: Flask, settings: Settings, engine: ChatEngine) -> None:
+    """Attach the engine and the serving classes built around it to the app."""
     chat = ChatCompletions(engine, settings)
-    app.extensions["corechat"] = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat),
-                                          tokens=Tokenization(chat))
+    core = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat), tokens=Tokenization(chat))
+    core.init_app(app)

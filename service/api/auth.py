@@ -9,10 +9,12 @@ on them), and nothing but an exact allowlist; flask-cors answers refused preflig
 import hashlib
 import hmac
 
-from flask import current_app, make_response, request
+from flask import make_response, request
 
 from ..errors import APIError, Unauthorized
 from ..observability.request_record import current_record
+from ..settings import Settings
+from .corechat import current_corechat
 
 # Endpoints anyone may reach: liveness and readiness probes, and the chat page with its files
 # (the page must load without a key so the user can type one in).
@@ -32,9 +34,9 @@ class OriginNotAllowed(APIError):
     code = "origin_not_allowed"
 
 
-def _settings():
+def _settings() -> Settings:
     """Return the app's settings."""
-    return current_app.extensions["corechat"].settings
+    return current_corechat().settings
 
 
 def _is_preflight() -> bool:

@@ -26,12 +26,23 @@ from ..engine import (
     tool_call_grammar,
 )
 from ..errors import ContextLengthExceeded, InternalError, InvalidRequest
+from ..settings import Settings
+from .chat_request import CalledFunction, ChatCompletionRequest, SamplingFields
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .responses import AssistantMessage, ChatCompletion, Choice
-from .chat_request import CalledFunction, ChatCompletionRequest, SamplingFields
-from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
+from .serving import (
+    ChatEngine,
+    PreparedReply,
+    check_choices,
+    choice_params,
+    interrupted,
+    read_whole_reply,
+    split_choice,
+    submit,
+    usage_of,
+)
 from .sse import DONE, PING, sse_data
 from .toolcalls import ToolCallParser, merge_deltas
 
@@ -62,7 +73,7 @@ def render_logprob(entry: TokenLogprob) -> dict:
 class ChatCompletions:
     """Prepare, run and render chat completions for one worker's engine."""
 
-    def __init__(self, engine, settings):
+    def __init__(self, engine: ChatEngine, settings: Settings):
         self.engine = engine
         self.settings = settings
 

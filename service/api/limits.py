@@ -1,9 +1,10 @@
 """Input limits: how large a body, how many messages and how many prompt tokens one request may send."""
 
-from flask import current_app, request
+from flask import Flask, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..errors import APIError, InvalidRequest, error_response
+from ..settings import Settings
 
 
 class PayloadTooLarge(APIError):
@@ -13,7 +14,7 @@ class PayloadTooLarge(APIError):
     code = "request_too_large"
 
 
-def check_message_count(message_count: int, settings) -> None:
+def check_message_count(message_count: int, settings: Settings) -> None:
     """Refuse a conversation with more messages than configured, before rendering it."""
     if message_count > settings.max_messages:
         raise InvalidRequest(
@@ -38,7 +39,7 @@ def check_prompt_text(prompt: str, param: str = "messages") -> None:
         ) from None
 
 
-def check_prompt_tokens(prompt_tokens: int, settings, param: str = "messages") -> None:
+def check_prompt_tokens(prompt_tokens: int, settings: Settings, param: str = "messages") -> None:
     """Refuse a prompt longer than the configured cap (the context window is checked elsewhere)."""
     if settings.max_prompt_tokens and prompt_tokens > settings.max_prompt_tokens:
         raise InvalidRequest(
@@ -54,7 +55,7 @@ def read_request_body() -> bytes:
     Werkzeug refuses a too-large Content-Length at once, but a chunked body it silently cuts at the
     limit; one more byte from the server's stream tells a body of exactly the limit from a longer one.
     """
-    limit = current_app.extensions["corechat"].settings.max_request_bytes
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
     data = request.get_data(cache=False)
     if len(data) >= limit and request.environ["wsgi.input"].read(1):
         raise _too_large(limit)
@@ -66,9 +67,9 @@ def _too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
 
 
-def init_app(app) -> None:
+def init_app(app: Flask, settings: Settings) -> None:
     """Cap request bodies (with or without Content-Length) and answer an oversized one with a 413."""
-    limit = app.extensions["corechat"].settings.max_request_bytes
+    limit = settings.max_request_bytes
     app.config["MAX_CONTENT_LENGTH"] = limit
 
     def refuse_large_body(_exc: RequestEntityTooLarge):

@@ -4,24 +4,26 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Flask, Response, jsonify, request
 from pydantic import BaseModel
 
-from .auth import caller_key_hash, may_see_details
-from ..cache import no_cache_requested, settled_status
-from .completion_request import parse_completion_request
-from .disconnect import WatchedSource
+from ..cache import current_cache, no_cache_requested, settled_status
 from ..errors import InvalidRequest
+from ..observability.observed import EngineWork, observe
+from ..observability.request_record import current_record
+from .auth import caller_key_hash, may_see_details
+from .chat_request import parse_chat_request, parse_json_body
+from .completion_request import parse_completion_request
+from .corechat import current_corechat
+from .disconnect import WatchedSource
 from .limits import read_request_body
 from .naming import resolve_model_name
-from ..observability.observed import EngineWork, observe
 from .responses import Health, Model, ModelList, Readiness
-from ..observability.request_record import current_record
-from .chat_request import parse_chat_request, parse_json_body
+from .serving import ChatEngine, PreparedReply
 from .sse import SSE_HEADERS
 
 if TYPE_CHECKING:
-    from ..engine import EventSource, Generation
+    from ..engine import ChoiceGroup, EventSource, Generation
 
 bp = Blueprint("api", __name__)
 
@@ -43,20 +45,24 @@ def read_json_body():
 class GenerationServing(Protocol):
     """What the generating routes need of a serving class (chat's and legacy completions')."""
 
-    engine: Any
+    engine: ChatEngine
 
-    def prepare(self, request) -> Any: ...
+    def prepare(self, request: Any) -> PreparedReply:
+        """Check a parsed request against the model, or raise a 4xx."""
 
-    def start(self, prepared, forced_ids: tuple[int, ...] = ()) -> "Generation": ...
+    def start(self, prepared: Any, forced_ids: tuple[int, ...] = ()) -> "Generation | ChoiceGroup":
+        """Queue the reply's generation, or raise a 503."""
 
-    def stream(self, prepared, source: "EventSource") -> Iterator[str]: ...
+    def stream(self, prepared: Any, source: "EventSource") -> Iterator[str]:
+        """Render a reply's events as Server-Sent Events."""
 
-    def complete(self, prepared, source: "EventSource") -> BaseModel: ...
+    def complete(self, prepared: Any, source: "EventSource") -> BaseModel:
+        """Read a reply's events to its end and return the whole response object."""
 
 
 def serve_generation(serving: GenerationServing, parsed_request):
     """Prepare a request, look its reply up in the cache (or generate it), and send it streamed or whole."""
-    cache = current_app.extensions["corechat_cache"]
+    cache = current_cache()
     record = current_record()
     prepared = serving.prepare(parsed_request)
     opted_out = no_cache_requested(request.headers.get("Cache-Control", ""))
@@ -89,46 +95,46 @@ def serve_generation(serving: GenerationServing, parsed_request):
 @bp.post("/v1/chat/completions")
 def create_chat_completion():
     """Generate a chat completion, streamed as SSE or returned whole."""
-    return serve_generation(current_app.extensions["corechat"].chat, parse_chat_request(read_json_body()))
+    return serve_generation(current_corechat().chat, parse_chat_request(read_json_body()))
 
 
 @bp.post("/v1/completions")
 def create_completion():
     """Continue a raw prompt (legacy text completions), streamed as SSE or returned whole."""
-    return serve_generation(current_app.extensions["corechat"].completions, parse_completion_request(read_json_body()))
+    return serve_generation(current_corechat().completions, parse_completion_request(read_json_body()))
 
 
 @bp.post("/tokenize")
 def tokenize():
     """Turn text, or a conversation through the chat template, into the model's token ids."""
-    tokens = current_app.extensions["corechat"].tokens
+    tokens = current_corechat().tokens
     return jsonify(tokens.tokenize(read_json_body()).model_dump())
 
 
 @bp.post("/detokenize")
 def detokenize():
     """Turn the model's token ids back into text."""
-    tokens = current_app.extensions["corechat"].tokens
+    tokens = current_corechat().tokens
     return jsonify(tokens.detokenize(read_json_body()).model_dump())
 
 
 def _model_card(name: str) -> Model:
     """Describe the served model under one of its names as OpenAI's model object."""
-    core = current_app.extensions["corechat"]
+    core = current_corechat()
     return Model(id=name, object="model", created=core.started_at, owned_by="corechat")
 
 
 @bp.get("/v1/models")
 def list_models():
     """List every name the served model answers to."""
-    names = current_app.extensions["corechat"].settings.served_model_names
+    names = current_corechat().settings.served_model_names
     return jsonify(ModelList(object="list", data=[_model_card(name) for name in names]).model_dump())
 
 
 @bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str):
     """Describe the served model under a name it answers to, or 404 for any other id."""
-    settings = current_app.extensions["corechat"].settings
+    settings = current_corechat().settings
     return jsonify(_model_card(resolve_model_name(settings, model_id)).model_dump())
 
 
@@ -144,7 +150,7 @@ def check_ready():
 
     Probes carry no key: without one (when keys are on) the body is the status and counts alone.
     """
-    core = current_app.extensions["corechat"]
+    core = current_corechat()
     engine = core.engine
     facts = engine.snapshot_facts().known()
     body = {
@@ -160,6 +166,6 @@ def check_ready():
     return jsonify(Readiness.model_validate(body).model_dump(exclude_unset=True)), 200 if engine.ready else 503
 
 
-def init_app(app) -> None:
+def init_app(app: Flask) -> None:
     """Register the routes."""
     app.register_blueprint(bp)

@@ -1,9 +1,11 @@
-"""What chat and legacy completions share between request and engine: queueing one generation or a group of
-choices, each choice's seed, the bounds on choices, and the usage and interruption a reply reports."""
+"""What chat and legacy completions share between request and engine: the engine they call (ChatEngine),
+queueing one generation or a group of choices, each choice's seed, the bounds on choices, and the usage
+and interruption a reply reports."""
 
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ..engine import (
     ChoiceEvent,
@@ -20,10 +22,79 @@ from ..engine import (
     TextDelta,
     choice_seed,
 )
-from ..errors import RETRY_AFTER_SECONDS, ContextLengthExceeded, InternalError, InvalidRequest, Overloaded
+from ..errors import (
+    RETRY_AFTER_SECONDS,
+    ContextLengthExceeded,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+)
+from ..settings import Settings
 from .responses import PromptTokensDetails, Usage
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from ..engine.cores import SharedCores
+    from ..engine.facts import EngineFacts
+    from ..engine.template import ChatTemplate
+
 log = logging.getLogger(__name__)
+
+
+class ChatEngine(Protocol):
+    """What the app calls on a worker's engine: service.engine.Engine, or whatever a test passes to create_app.
+
+    The views and serving classes read its template and limits, queue generations and read its
+    state; the worker's hooks (service/process/lifecycle.py) start and stop it.
+    """
+
+    # The chat template, token ids and their text; None until start() has loaded the tokenizer.
+    template: "ChatTemplate | None"
+    # The model's generation_config.json, the sampling defaults a request may leave out (None until start()).
+    generation_defaults: "GenerationConfig | None"
+    # The longest sequence the model takes (0 until loaded), and the tokens the KV budget holds (0: no budget).
+    context_length: int
+    kv_token_budget: int
+    # Names the weights and sampler: cached replies are keyed by it ("" until loaded).
+    fingerprint: str
+    # What the engine measured; the worker's hooks add where it runs.
+    facts: "EngineFacts"
+
+    @property
+    def ready(self) -> bool:
+        """Tell whether the engine serves requests (loaded and warmed up)."""
+
+    @property
+    def failed(self) -> bool:
+        """Tell whether loading failed for good."""
+
+    @property
+    def running(self) -> int:
+        """Return the number of sequences being generated."""
+
+    @property
+    def waiting(self) -> int:
+        """Return the places the queued requests take."""
+
+    def snapshot_facts(self) -> "EngineFacts":
+        """Return a consistent copy of the facts."""
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()) -> Generation:
+        """Queue a generation; raise EngineOverloaded when the worker is full, EngineUnavailable when closed."""
+
+    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams]) -> ChoiceGroup:
+        """Queue several choices of one prompt (n > 1) as one request; errors as submit's."""
+
+    def start(self, on_ready: Callable[[], None] | None = None,
+              on_failure: Callable[[str, bool], None] | None = None, cores: "SharedCores | None" = None) -> None:
+        """Load the tokenizer now, then the model in the engine's thread; call on_ready or on_failure there."""
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine is ready; return whether it is."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine's thread after its current step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +179,7 @@ def choice_params(params: SamplingParams, count: int) -> tuple[SamplingParams, .
     return tuple(dataclasses.replace(params, seed=choice_seed(params.seed, index)) for index in range(count))
 
 
-def check_choices(settings, engine, count: int, prompt_tokens: int, params: SamplingParams) -> None:
+def check_choices(settings: Settings, engine: ChatEngine, count: int, prompt_tokens: int, params: SamplingParams) -> None:
     """Refuse more choices than can run at once, or than the worker's KV budget holds together."""
     if count > settings.max_running:
         raise InvalidRequest(f"'n' is {count}, above this server's {settings.max_running} running places (MAX_RUNNING): "
@@ -121,7 +192,7 @@ def check_choices(settings, engine, count: int, prompt_tokens: int, params: Samp
                                     "tokens per worker (KV_CACHE_MB)", param="n")
 
 
-def submit(engine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
+def submit(engine: ChatEngine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
            forced_ids: tuple[int, ...]) -> Generation | ChoiceGroup:
     """Queue a generation (or a group of choices) on the engine, or raise the 503 of a full or unavailable worker."""
     try:

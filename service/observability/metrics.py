@@ -11,8 +11,9 @@ PRELOAD_LIBRARIES.
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -24,11 +25,17 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ..settings import Settings
 from .request_record import current_record
+
+if TYPE_CHECKING:
+    from ..engine.facts import EngineFacts
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("metrics", __name__)
+# Where the app keeps PROMETHEUS_MULTIPROC_DIR for `/metrics` to read.
+MULTIPROC_DIR_CONFIG = "CORECHAT_PROMETHEUS_MULTIPROC_DIR"
 
 # Chat and legacy completions count in the same series: one engine serves both.
 GENERATION_ENDPOINTS = ("api.create_chat_completion", "api.create_completion")
@@ -142,9 +149,8 @@ def count_singleflight_follower() -> None:
     singleflight_followers_total.inc()
 
 
-def report_ready(engine, settings) -> None:
+def report_ready(facts: "EngineFacts", settings: Settings) -> None:
     """Publish this worker's readiness and what its engine measured while loading."""
-    facts = engine.snapshot_facts()
     model_load_seconds.set(facts.load_seconds or 0.0)
     warmup_seconds.set(facts.warmup_seconds or 0.0)
     model_info.labels(
@@ -184,7 +190,7 @@ def count_refused_request(response):
 @bp.get("/metrics")
 def scrape_metrics():
     """Return every worker's metrics in Prometheus's text format."""
-    multiproc_dir = current_app.extensions["corechat"].settings.prometheus_multiproc_dir
+    multiproc_dir = current_app.config[MULTIPROC_DIR_CONFIG]
     if multiproc_dir:
         # A fresh registry per scrape, as prometheus_client's multiprocess recipe asks: the
         # collector reads the files of every worker, live or dead, at collection time.
@@ -195,8 +201,9 @@ def scrape_metrics():
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
 
-def init_app(app) -> None:
+def init_app(app: Flask, settings: Settings) -> None:
     """Register `/metrics` and the hooks that time and count chat requests."""
+    app.config[MULTIPROC_DIR_CONFIG] = settings.prometheus_multiproc_dir
     app.register_blueprint(bp)
     app.before_request(mark_arrival)
     app.after_request(count_refused_request)

@@ -1,5 +1,6 @@
 """What one HTTP request's hooks and view tell each other: a typed record, kept on `flask.g`."""
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -7,6 +8,17 @@ from flask import g
 
 # The one attribute of `flask.g` that corechat uses; everything else goes through the record's fields.
 G_ATTRIBUTE = "corechat_request"
+
+
+class CacheStatus(enum.StrEnum):
+    """What the response cache did for a reply: its X-Cache header."""
+
+    # Replayed from the cache, or read from an identical request's generation as it went.
+    HIT = "hit"
+    # Generated for this request, and stored for the next.
+    MISS = "miss"
+    # Generated without the cache: not consulted, opted out, or its store failed.
+    BYPASS = "bypass"
 
 
 @dataclass
@@ -17,8 +29,8 @@ class RequestRecord:
     arrived_at: float = field(default_factory=time.monotonic)
     # Whether its generation is observed by the metrics, which then count its outcome themselves.
     observed: bool = False
-    # The X-Cache value of its reply (hit, miss or bypass); `bypass` until the cache is consulted.
-    x_cache: str = "bypass"
+    # What the cache did for its reply; `bypass` until the cache is consulted.
+    x_cache: CacheStatus = CacheStatus.BYPASS
     # A hash of the API key it was let in with; None when the API needs no key.
     api_key_hash: str | None = None
 

@@ -8,10 +8,15 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..api.corechat import corechat_of
 from ..engine.cores import SLOT_BYTES, SharedCores, busy_cpu_seconds
 from ..observability.metrics import report_not_ready, report_ready
 from ..topology import physical_core_groups, physical_cores
+
+if TYPE_CHECKING:
+    from ..api.serving import ChatEngine
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +77,10 @@ def cores_for_slot(slot: int, workers: int) -> list[int]:
 
 def boot_worker(worker) -> None:
     """Pin the worker if asked, set torch's threads, and start its engine; the worker accepts
-    connections once the engine is ready (after fork)."""
+    connections once the engine is ready (after fork, where the app and torch are already imported)."""
     import torch
 
-    core = worker.wsgi.extensions["corechat"]
+    core = corechat_of(worker.wsgi)
     settings = core.settings
     slot = getattr(worker, "slot", 0)
     if settings.pin_workers:
@@ -95,10 +100,11 @@ def boot_worker(worker) -> None:
         on_failure=partial(exit_after_engine_failure, worker, failures_file),
         cores=cores,
     )
-    worker.open_when(lambda: wait_until_settled(core.engine), lambda: report_ready(core.engine, settings))
+    worker.open_when(lambda: wait_until_settled(core.engine),
+                     lambda: report_ready(core.engine.snapshot_facts(), settings))
 
 
-def wait_until_settled(engine) -> bool:
+def wait_until_settled(engine: "ChatEngine") -> bool:
     """Block until the engine is ready (True) or failed (False).
 
     A worker whose model failed opens anyway and answers 503 until it exits, so clients and probes
@@ -146,9 +152,8 @@ def exit_after_engine_failure(worker, failures_file: Path, reason: str, while_lo
 
 def stop_worker(worker) -> None:
     """Stop the engine thread before the worker exits, so no torch call is cut off mid-flight."""
-    core = worker.wsgi.extensions["corechat"] if hasattr(worker, "wsgi") else None
-    if core is not None:
-        core.engine.stop()
+    if hasattr(worker, "wsgi"):  # a worker that failed before loading its app has no engine
+        corechat_of(worker.wsgi).engine.stop()
     status = getattr(worker, "exit_status", 0)
     if status:
         # Raised from Gunicorn's worker_exit hook, this replaces the worker's exit status of 0.

@@ -36,8 +36,16 @@ from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from ..errors import RETRY_AFTER_SECONDS
 from ..observability.metrics import count_refused_by_worker, send_timeouts_total
+from ..observability.request_record import CacheStatus
 from ..settings import get_settings
-from .arrival import GUNICORN_ERRORS, MALFORMED, ArrivingRequest, RefusedRequest, WholeRequest, http_error
+from .arrival import (
+    GUNICORN_ERRORS,
+    MALFORMED,
+    ArrivingRequest,
+    RefusedRequest,
+    WholeRequest,
+    http_error,
+)
 from .refusal import access_entry, render
 
 READ_BYTES = 64 * 1024
@@ -403,7 +411,7 @@ class CorechatWorker(ThreadWorker):
             reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
             "overloaded",
             # Every chat response says whether the cache served it: this one never reached it.
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": "bypass"},
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": CacheStatus.BYPASS},
         )
 
     def finish_request(self, conn, fs):
