@@ -11,7 +11,7 @@ SYSTEM_PACKAGES := $(shell cat .ci/system-packages.txt)
 BUILD_PACKAGES := g++
 KERNEL_SOURCES := $(wildcard service/engine/kernels/csrc/*) service/engine/kernels/__init__.py
 
-.PHONY: setup system-deps build-deps install-packages serve demo-model test test-deploy bench bench-quick clean
+.PHONY: setup system-deps build-deps install-packages serve demo-model lint test test-deploy bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ demo-model: setup
 # Serve on the embedded default: the demo model (random weights!) unless MODEL is set.
 serve: demo-model
 	MODEL="$${MODEL:-$(DEMO_MODEL_DIR)}" $(VENV)/bin/gunicorn -c gunicorn.conf.py
+
+# ruff, configured in pyproject.toml: pyflakes, pycodestyle and import order, lines up to 120.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 test: system-deps setup
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"

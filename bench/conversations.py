@@ -27,8 +27,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.run import CACHE_DIR, StreamResult, progress, start_corechat, stream_chat  # noqa: E402
-from support import free_port  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
+from support import free_port  # noqa: E402
 
 # One sentence of a user's message: 16 Qwen2 tokens.
 SENTENCE = "Please keep the following notes in mind while you answer the question below. "

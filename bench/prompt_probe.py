@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench import save_results  # noqa: E402
 from bench.kernel_probe import LAYER_SHAPES, random_weight  # noqa: E402
 from service.engine import kernels  # noqa: E402
 from service.engine.quantized import INT8, quantize_int8  # noqa: E402

@@ -30,12 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
-
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.comparison import peer_ratios, render_peer_table  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
+from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."

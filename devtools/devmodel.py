@@ -140,7 +140,7 @@ QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (verbatim)
 
 RANDOM_WEIGHTS_WARNING = (
     "THE DEV MODEL HAS RANDOM WEIGHTS: it loads, tokenizes and generates like Qwen2.5-Instruct, "

@@ -50,5 +50,6 @@ def configure_logging(settings: Settings) -> None:
 def register_core(app: Flask, settings: Settings, engine: ChatEngine) -> None:
     """Attach the engine and the serving classes built around it to the app."""
     chat = ChatCompletions(engine, settings)
-    core = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat), tokens=Tokenization(chat))
+    core = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat),
+                    tokens=Tokenization(chat))
     core.init_app(app)

@@ -321,7 +321,9 @@ class Settings(BaseSettings):
             try:
                 ipaddress.ip_network(network, strict=False)
             except ValueError:
-                raise ValueError(f"allowed_networks: {network!r} is not an address or network like 10.0.0.0/24") from None
+                raise ValueError(
+                    f"allowed_networks: {network!r} is not an address or network like 10.0.0.0/24"
+                ) from None
         return value
 
     @property

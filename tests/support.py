@@ -38,7 +38,8 @@ COUNTING = [{"role": "user", "content": "Count to a thousand, slowly."}]
 
 
 def chat(server, **body) -> requests.Response:
-    """Send one chat request (COUNTING unless `messages` is given) on a fresh connection, so requests spread over the workers."""
+    """Send one chat request (COUNTING unless `messages` is given) on a fresh connection, so requests spread
+    over the workers."""
     return requests.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": COUNTING, **body},

@@ -58,7 +58,8 @@ def test_model_decodes_a_long_context_as_with_sdpa(tiny_model_dir):
         torch.testing.assert_close(outputs[0], outputs[1])
         for token in range(10):
             step = torch.tensor([[token + 7]])
-            got, expected = (m(input_ids=step, cache=c, use_cache=True).logits for m, c in zip((model, reference), caches))
+            got, expected = (m(input_ids=step, cache=c, use_cache=True).logits
+                             for m, c in zip((model, reference), caches))
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -9,10 +9,9 @@ exact response cache relies on), and the replies byte for byte as well.
 import pytest
 import torch
 
-from service.engine import Engine, Failed, SamplingParams, TextDelta
+from service.engine import Engine, Failed, SamplingParams, TextDelta, scheduler
 from service.engine.batching import DecodeBatch
 from service.engine.kvcache import new_cache
-from service.engine import scheduler
 from support import ready_facts
 
 # Prompt lengths that give a batch wide and uneven left padding (the tiny model handles any).
@@ -117,7 +116,8 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        prompts = [engine.template.encode(engine.template.render([{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
+        template = engine.template
+        prompts = [template.encode(template.render([{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
                    for i in range(8)]
         params = SamplingParams(max_tokens=24, temperature=0.0 if seed is None else 1.0, seed=seed)
         alone, alone_logits = [], []
@@ -177,7 +177,8 @@ def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_s
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        ids = engine.template.encode(engine.template.render([{"role": "user", "content": "a shared system prompt " * 40}]))
+        template = engine.template
+        ids = template.encode(template.render([{"role": "user", "content": "a shared system prompt " * 40}]))
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
         cold = generate(engine, [ids], params)
         cold_logits = list(recorded_logits.values())

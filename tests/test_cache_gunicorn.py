@@ -19,7 +19,6 @@ import requests
 from transformers import AutoTokenizer
 
 from support import (
-    COUNTING,
     GunicornServer,
     RedisServer,
     StreamingClient,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from service.engine.cores import LOAD_WINDOW_SECONDS, SLOT_BYTES, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
+from service.engine.cores import LOAD_WINDOW_SECONDS, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
 from service.topology import physical_cores
 from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 

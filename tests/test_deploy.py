@@ -219,7 +219,8 @@ def test_unit_keeps_the_supervisor_as_main_process_and_its_socket_across_restart
     systemd neither drains it on stop nor sees it exit); its socket waits out a restart in the store."""
     from service.process.supervisor import DEFAULT_CONTROL_SOCKET, DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL
 
-    assert unit_values("ExecStart") == ["/opt/corechat/venv/bin/python -m service.process.supervisor --open-files 65536"]
+    assert unit_values("ExecStart") == [
+        "/opt/corechat/venv/bin/python -m service.process.supervisor --open-files 65536"]
     assert unit_values("LimitNOFILE") == ["65536"]  # what the supervisor warns it did not get
     assert unit_values("ExecReload") == ["/opt/corechat/venv/bin/python -m service.process.reload"]
     assert DEFAULT_CONTROL_SOCKET.startswith("/run/corechat/")  # the unit's RuntimeDirectory

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from service.app import create_app
-from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from service.engine import (
+    Engine,
+    EngineOverloaded,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    SamplingParams,
+    Started,
+    TextDelta,
+)
 from support import file_mappings
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -62,7 +71,8 @@ def test_stop_string_from_real_generation_is_cut_and_not_shown(engine):
 
 
 def test_cancel_stops_generation_at_next_token(engine):
-    generation = engine.submit(engine.template.encode(engine.template.render(PROMPT)), SamplingParams(max_tokens=10_000, temperature=0.0))
+    generation = engine.submit(engine.template.encode(engine.template.render(PROMPT)),
+                               SamplingParams(max_tokens=10_000, temperature=0.0))
     assert isinstance(generation.next_event(timeout=30), Started)
     generation.next_event(timeout=30)
     generation.cancel()

@@ -133,6 +133,7 @@ def test_a_request_that_could_never_fit_the_budget_gets_400(small_budget_server)
     assert too_long_prompt.status_code == 400 and too_long_prompt.json()["error"]["param"] == "messages"
 
     # Without max_tokens, the reply gets what room the budget leaves, so a prompt that fits is served.
-    fits = requests.post(url, json={"messages": long_prompt(0, words=3900), "temperature": 0}, headers=NO_CACHE, timeout=120)
+    fits = requests.post(url, json={"messages": long_prompt(0, words=3900), "temperature": 0}, headers=NO_CACHE,
+                         timeout=120)
     assert fits.status_code == 200, fits.text
     assert fits.json()["usage"]["total_tokens"] <= BUDGET_TOKENS

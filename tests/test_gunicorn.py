@@ -20,7 +20,6 @@ from support import (
 )
 
 
-
 def test_stream_over_real_http(gunicorn_server):
     with requests.post(
         f"{gunicorn_server.url}/v1/chat/completions",

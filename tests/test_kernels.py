@@ -164,7 +164,8 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="padded"):
         product(INT8, torch.randn(1, 64), weight, scales, 12)
     with pytest.raises(RuntimeError, match="multiples of 64"):
-        product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.float16), 8)
+        product(INT4, torch.randn(1, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.float16),
+                8)
 
 
 def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():

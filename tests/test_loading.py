@@ -99,14 +99,16 @@ def test_tokenizer_without_its_python_vocabulary_tokenizes_and_templates_the_sam
 
     trimmed, full = load_tokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     assert not trimmed._vocab and not trimmed._merges and len(full._vocab) > 150_000
-    texts = ["Hello, world!", "naïve café — 東京 🚀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ", "x" * 500]
+    texts = ["Hello, world!", "naïve café — 東京 🚀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ",
+             "x" * 500]
     for text in texts:
         ids = trimmed(text, add_special_tokens=False)["input_ids"]
         assert ids == full(text, add_special_tokens=False)["input_ids"]
         assert trimmed.decode(ids) == full.decode(ids) == text
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[1]}]
-    assert trimmed.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == full.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+    rendered = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                for tokenizer in (trimmed, full)]
+    assert rendered[0] == rendered[1]
     assert trimmed.get_vocab() == full.get_vocab()
     assert (trimmed.eos_token_id, len(trimmed)) == (full.eos_token_id, len(full))
 

@@ -4,8 +4,8 @@ the request wrapper checked in this process (where /metrics serves the process's
 import os
 import random
 import signal
-import string
 import statistics
+import string
 import time
 from pathlib import Path
 
@@ -14,13 +14,21 @@ import requests
 from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from support import COUNTING, chat, parse_samples, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
-
-from service.observability import metrics
 from service.cache import Flight
 from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
+from service.observability import metrics
 from service.observability.observed import EngineWork, ObservedGeneration
+from support import (
+    COUNTING,
+    chat,
+    parse_samples,
+    ready_facts,
+    scrape,
+    send_until_every_worker_served,
+    value,
+    wait_for_samples,
+)
 
 STREAMS = 4
 

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from service.engine.loading import load_model
 from service.engine.kvcache import build_cache, cache_layers
+from service.engine.loading import load_model
 from service.engine.prefixes import PrefixStore
 
 # A Qwen2.5 chat prompt's first tokens, then one more for the step after it.

@@ -9,11 +9,11 @@ import pytest
 import requests
 
 from service.api.chat import ChatCompletions, render_logprob
+from service.api.chat_request import parse_chat_request
+from service.api.responses import ChatCompletion, ChatCompletionChunk, Model, ModelList
+from service.api.sse import sse_data
 from service.engine import TokenLogprob
 from service.errors import ErrorResponse
-from service.api.responses import ChatCompletion, ChatCompletionChunk, Model, ModelList
-from service.api.chat_request import parse_chat_request
-from service.api.sse import sse_data
 from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
@@ -51,7 +51,8 @@ def test_every_streamed_chunk_renders_exactly_as_the_model_renders_it(default_se
     if body.get("tool_choice") == "required":
         assert '"tool_calls":[{"index":0,"id":"call_' in response.text
     if "functions" in body:
-        assert '"delta":{"function_call":{"name":"g","arguments":' in response.text and '"tool_calls"' not in response.text
+        assert '"delta":{"function_call":{"name":"g","arguments":' in response.text
+        assert '"tool_calls"' not in response.text
         assert '"finish_reason":"function_call"' in response.text
 
 
@@ -94,7 +95,8 @@ def test_chunks_of_awkward_values_render_exactly_as_the_model_renders_them(chat,
 
 def test_a_chunk_the_model_does_not_describe_is_refused():
     """The byte-for-byte checks above mean something only if the model refuses what it does not describe."""
-    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "system_fingerprint": None,
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "system_fingerprint": None,
              "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}]}
     ChatCompletionChunk.model_validate(chunk)
     for bad in ({**chunk, "extra": 1}, {**chunk, "choices": [{**chunk["choices"][0], "delta": {"content": None}}]},
@@ -111,9 +113,12 @@ def test_whole_replies_and_models_leave_out_what_openai_leaves_out(default_serve
     assert set(reply["choices"][0]["message"]) == {"role", "content"}
     assert reply["choices"][0]["logprobs"] is None and reply["system_fingerprint"]
     called = requests.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "messages": USER, "max_tokens": 60, "tools": TOOLS[:1], "tool_choice": "required", "parallel_tool_calls": False})
+        "messages": USER, "max_tokens": 60, "tools": TOOLS[:1], "tool_choice": "required",
+        "parallel_tool_calls": False})
     message = ChatCompletion.model_validate(called.json()).choices[0].message
-    assert message.content is None and len(message.tool_calls) == 1 and called.json()["choices"][0]["message"]["content"] is None
+    assert message.content is None and len(message.tool_calls) == 1
+    assert called.json()["choices"][0]["message"]["content"] is None
     models = ModelList.model_validate(requests.get(f"{url}/v1/models", timeout=10).json())
     assert [model.id for model in models.data] == [
-        Model.model_validate(requests.get(f"{url}/v1/models/{name}", timeout=10).json()).id for name in ("tiny", TINY_MODEL_DIR.name)]
+        Model.model_validate(requests.get(f"{url}/v1/models/{name}", timeout=10).json()).id
+        for name in ("tiny", TINY_MODEL_DIR.name)]

@@ -294,7 +294,8 @@ def test_a_reload_that_cannot_complete_fails_and_leaves_the_serving_master_alone
         assert reload.returncode == 1, reload.stdout + reload.stderr
         assert reason in reload.stderr, reload.stderr
         assert server.masters() == before  # the processes it started with, and only those
-        if ready_timeout == DEFAULT_READY_TIMEOUT_SECONDS:  # the new master exited: the traceback above the supervisor's words says why
+        # The new master exited: the traceback above the supervisor's words says why.
+        if ready_timeout == DEFAULT_READY_TIMEOUT_SECONDS:
             assert "this version of the code does not start" in server.log_path.read_text()
         assert not traffic.failures(), traffic.failures()
         assert server.process.poll() is None

@@ -121,7 +121,8 @@ class ChatCompletions:
             try:
                 return tool_call_grammar(functions, parallel=request.parallel_tool_calls is not False)
             except GrammarRefused as exc:
-                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
+                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
+                                     param="tools") from None
         if request.json_schema is not None:
             try:
                 return json_schema_grammar(request.json_schema)
@@ -139,12 +140,15 @@ class ChatCompletions:
         if markers is None:
             raise InvalidRequest("strict tools cannot be enforced: the model's tokenizer has no tool-call tokens",
                                  param="tools")
-        functions = [(tool.function.name, tool.function.arguments_schema if tool.function.strict else {"type": "object"})
-                     for tool in request.tools_offered]
+        functions = [
+            (tool.function.name, tool.function.arguments_schema if tool.function.strict else {"type": "object"})
+            for tool in request.tools_offered
+        ]
         try:
             return text_or_tool_call_grammar(functions, request.parallel_tool_calls is not False, markers)
         except GrammarRefused as exc:
-            raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}", param="tools") from None
+            raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
+                                 param="tools") from None
 
     def sampling_params(self, request: SamplingFields, prompt_tokens: int, grammar: str | None, *, logprobs: bool,
                         top_logprobs: int, prompt_logprobs: int | None = None,
@@ -243,7 +247,8 @@ class ChatCompletions:
 
     def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,
                index: int = 0) -> dict:
-        """Build one chat.completion.chunk object of choice `index` (`logprobs`: the entries of the tokens it delivers)."""
+        """Build one chat.completion.chunk object of choice `index` (`logprobs`: the entries of the tokens it
+        delivers)."""
         chunk = {
             "id": prepared.completion_id,
             "object": "chat.completion.chunk",
@@ -357,7 +362,8 @@ class ChatCompletions:
             usage=usage_of(finished),
         )
 
-    def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict], finished: Finished) -> Choice:
+    def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict],
+                finished: Finished) -> Choice:
         """Build one choice of a whole reply: its text, tool calls (or legacy function call) and finish reason."""
         calls = []
         parser = prepared.tool_call_parser()

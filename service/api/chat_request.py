@@ -5,8 +5,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from . import nesting
 from ..errors import InvalidRequest
+from . import nesting
 
 MAX_STOP_STRINGS = 4
 # The most choices (n) one request may ask for; each is a running sequence of its own.
@@ -194,7 +194,9 @@ class SamplingFields(StrictModel):
             raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, not {len(value)}")
         for key in value:
             if not TOKEN_ID_KEY.fullmatch(key):
-                raise ValueError(f"the key {key!r} is not a token id (a non-negative integer as a string, such as \"1234\")")
+                raise ValueError(
+                    f"the key {key!r} is not a token id (a non-negative integer as a string, such as \"1234\")"
+                )
         return value
 
     @field_validator("stop")
@@ -295,12 +297,14 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def strict_tools_under_auto(self) -> bool:
-        """Tell whether the model may answer in text or call a tool, and some tool's arguments must follow its schema."""
+        """Tell whether the model may answer in text or call a tool, and some tool's arguments must follow its
+        schema."""
         return self.effective_tool_choice == "auto" and any(tool.function.strict for tool in self.tools or [])
 
     @property
     def legacy_functions(self) -> bool:
-        """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent `functions`)."""
+        """Tell whether the reply's call goes out in the legacy shape, `function_call` (the request sent
+        `functions`)."""
         return self.functions is not None
 
     @property
@@ -352,17 +356,21 @@ def check_messages(messages: list[ChatMessage]) -> None:
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if message.tool_calls is not None and message.role != "assistant":
-            raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
+            raise InvalidRequest(f"'{where}.tool_calls' is only allowed on assistant messages",
+                                 param=f"{where}.tool_calls")
         if message.role == "tool" and message.tool_call_id is None:
-            raise InvalidRequest(f"'{where}.tool_call_id' is a required property of tool messages", param=f"{where}.tool_call_id")
+            raise InvalidRequest(f"'{where}.tool_call_id' is a required property of tool messages",
+                                 param=f"{where}.tool_call_id")
         if message.function_call is not None and message.role != "assistant":
             raise InvalidRequest(f"'{where}.function_call' is only allowed on assistant messages",
                                  param=f"{where}.function_call")
         if message.role == "function" and message.name is None:
             raise InvalidRequest(f"'{where}.name' is a required property of function messages", param=f"{where}.name")
-        if message.content is None and not (message.role == "assistant" and (message.tool_calls or message.function_call)):
+        calls_a_function = message.role == "assistant" and (message.tool_calls or message.function_call)
+        if message.content is None and not calls_a_function:
             raise InvalidRequest(f"'{where}.content' is a required property", param=f"{where}.content")
-        called = [(f"{where}.tool_calls[{index}].function", call.function) for index, call in enumerate(message.tool_calls or [])]
+        called = [(f"{where}.tool_calls[{index}].function", call.function)
+                  for index, call in enumerate(message.tool_calls or [])]
         if message.function_call is not None:
             called.append((f"{where}.function_call", message.function_call))
         for place, function in called:
@@ -380,7 +388,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
 def _check_function_fields(request: ChatCompletionRequest) -> None:
     """Check the legacy functions and function_call as tools and tool_choice are checked, and never beside them."""
     if request.functions is not None and (request.tools is not None or request.tool_choice is not None):
-        raise InvalidRequest("'functions' cannot be combined with 'tools' or 'tool_choice'; send one form", param="functions")
+        raise InvalidRequest("'functions' cannot be combined with 'tools' or 'tool_choice'; send one form",
+                             param="functions")
     if request.function_call is not None and request.functions is None:
         raise InvalidRequest("'function_call' is only allowed when 'functions' are given", param="function_call")
     names = [function.name for function in request.functions or []]
@@ -397,7 +406,8 @@ def _check_tool_fields(request: ChatCompletionRequest) -> None:
     if choice not in (None, "none") and not request.tools:
         raise InvalidRequest("'tool_choice' is only allowed when 'tools' are given", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and not request.forced_tools:
-        raise InvalidRequest(f"invalid 'tool_choice': no tool named '{choice.function.name}' is in 'tools'", param="tool_choice")
+        raise InvalidRequest(f"invalid 'tool_choice': no tool named '{choice.function.name}' is in 'tools'",
+                             param="tool_choice")
     names = [tool.function.name for tool in request.tools or []]
     if len(set(names)) != len(names):
         raise InvalidRequest("invalid 'tools': function names must be unique", param="tools")
@@ -423,8 +433,10 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     # Of a union's alternatives, the one that got furthest names the real problem; at equal depth, one
     # whose tag (its literal `type`) matched says more than those whose tag did not.
     errors = exc.errors(include_url=False)
-    mismatched = {error["loc"][:-1] for error in errors if error["type"] == "literal_error" and error["loc"][-1] == "type"}
-    first = max(errors, key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
+    mismatched = {error["loc"][:-1] for error in errors
+                  if error["type"] == "literal_error" and error["loc"][-1] == "type"}
+    first = max(errors,
+                key=lambda error: (len(error["loc"]), error["loc"][:-1] not in mismatched, -errors.index(error)))
     param = _param_name(first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":

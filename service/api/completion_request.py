@@ -69,8 +69,9 @@ def parse_completion_request(body) -> CompletionRequest:
     if not request.one_prompt:
         raise InvalidRequest("'prompt' is empty; give text or token ids to continue", param="prompt")
     if request.best_of is not None and request.best_of != request.choice_count:
-        raise InvalidRequest(f"'best_of' is {request.best_of} and 'n' is {request.choice_count}: this server returns every "
-                             "choice it samples, so best_of may only equal n", param="best_of")
+        raise InvalidRequest(f"'best_of' is {request.best_of} and 'n' is {request.choice_count}: this server "
+                             "returns every choice it samples, so best_of may only equal n", param="best_of")
     if request.suffix:
-        raise InvalidRequest("'suffix' is not supported: the model's template has no fill-in-the-middle", param="suffix")
+        raise InvalidRequest("'suffix' is not supported: the model's template has no fill-in-the-middle",
+                             param="suffix")
     return request

@@ -8,15 +8,34 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..engine import (
+    ChoiceEvent,
+    ChoiceGroup,
+    EventSource,
+    Failed,
+    Finished,
+    Generation,
+    PromptLogprobs,
+    TextDelta,
+    TokenLogprob,
+)
+from ..errors import InternalError, InvalidRequest
 from .chat import ChatCompletions
 from .completion_request import CompletionRequest
-from ..engine import (ChoiceEvent, ChoiceGroup, EventSource, Failed, Finished, Generation, PromptLogprobs,
-                     TextDelta, TokenLogprob)
-from ..errors import RETRY_AFTER_SECONDS, InternalError, InvalidRequest, Overloaded
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .responses import Completion, CompletionChoice, CompletionLogprobs
-from .serving import PreparedReply, check_choices, choice_params, interrupted, read_whole_reply, split_choice, submit, usage_of
+from .serving import (
+    PreparedReply,
+    check_choices,
+    choice_params,
+    interrupted,
+    model_unavailable,
+    read_whole_reply,
+    split_choice,
+    submit,
+    usage_of,
+)
 from .sse import DONE, PING, sse_data
 
 log = logging.getLogger(__name__)
@@ -87,7 +106,7 @@ class TextCompletions:
         model_name = resolve_model_name(self.settings, request.model)
         template = self.engine.template
         if template is None:
-            raise Overloaded("the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            raise model_unavailable()
         prompt = request.one_prompt
         if isinstance(prompt, str):
             check_prompt_text(prompt, param="prompt")
@@ -170,7 +189,8 @@ class TextCompletions:
                     yield sse_data(self._chunk(prepared, inner.text, logprobs=taken(index), index=index))
                 elif isinstance(event, ChoiceEvent):
                     if isinstance(inner, Finished) and inner.finish_reason != "cancelled":
-                        yield sse_data(self._chunk(prepared, "", inner.finish_reason, logprobs=taken(index), index=index))
+                        yield sse_data(self._chunk(prepared, "", inner.finish_reason, logprobs=taken(index),
+                                                   index=index))
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
                         yield sse_data(interrupted().body().model_dump())
@@ -205,8 +225,10 @@ class TextCompletions:
 
         ended, finished = read_whole_reply(source, count, take)
         choices = [
-            CompletionChoice(index=index, text="".join(pieces[index]), finish_reason=ended[index].finish_reason,
-                             logprobs=CompletionLogprobs(**gathered[index].take()) if prepared.params.logprobs else None)
+            CompletionChoice(
+                index=index, text="".join(pieces[index]), finish_reason=ended[index].finish_reason,
+                logprobs=CompletionLogprobs(**gathered[index].take()) if prepared.params.logprobs else None,
+            )
             for index in range(count)
         ]
         return Completion(

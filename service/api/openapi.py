@@ -11,9 +11,9 @@ from functools import lru_cache
 from flask import Blueprint, jsonify
 from pydantic.json_schema import models_json_schema
 
-from .responses import RESPONSE_MODELS
-from .completion_request import CompletionRequest
 from .chat_request import ChatCompletionRequest
+from .completion_request import CompletionRequest
+from .responses import RESPONSE_MODELS
 from .tokenize_request import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("openapi", __name__)
@@ -23,9 +23,28 @@ REF = "#/components/schemas/{model}"
 STATIC_MEDIA_TYPES = ("text/html", "text/javascript", "text/css", "image/svg+xml")
 
 
+def _ref(schema_name: str) -> dict:
+    """Point at a schema of the document's components."""
+    return {"$ref": REF.format(model=schema_name)}
+
+
 def _json(schema_name: str, description: str) -> dict:
     """Describe a JSON response by its schema's name."""
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": REF.format(model=schema_name)}}}}
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
+
+
+def _plain(description: str, *media_types: str, schema_type: str = "string") -> dict:
+    """Describe a response that no schema of ours shapes (a page, a file, the metrics)."""
+    return {"description": description, "content": {media_type: {"schema": {"type": schema_type}}
+                                                    for media_type in media_types}}
+
+
+def _streamed(description: str, whole: str, chunk: str) -> dict:
+    """Describe a generation's response: one JSON object, or with `stream: true` Server-Sent Events of chunks."""
+    return {"description": description, "content": {
+        "application/json": {"schema": _ref(whole)},
+        "text/event-stream": {"schema": {"type": "string"}, "x-event-schema": _ref(chunk)},
+    }}
 
 
 ERROR = _json("ErrorResponse", "An error in OpenAI's shape (400, 404, 405, 413, 415, 503 with Retry-After, 500).")
@@ -40,48 +59,33 @@ def _post(summary: str, request_schema: str, ok: dict) -> dict:
     """Describe a POST operation with a JSON body."""
     return {"post": {
         "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=request_schema)}}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request_schema)}}},
         "responses": {"200": ok, "default": ERROR},
     }}
 
 
 def _paths() -> dict:
     """Describe every route."""
-    chat_ok = {
-        "description": "The whole reply, or with `stream: true` a Server-Sent Events stream of "
-        "ChatCompletionChunk `data:` events ending with `data: [DONE]`.",
-        "content": {
-            "application/json": {"schema": {"$ref": REF.format(model="ChatCompletion")}},
-            "text/event-stream": {"schema": {"type": "string"}, "x-event-schema": {"$ref": REF.format(model="ChatCompletionChunk")}},
-        },
-    }
     return {
-        "/v1/chat/completions": {
-            "post": {
-                "summary": "Generate a chat completion, streamed or whole.",
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": {"$ref": REF.format(model="ChatCompletionRequest")}}},
-                },
-                "responses": {"200": chat_ok, "default": ERROR},
-            }
-        },
+        "/v1/chat/completions": _post(
+            "Generate a chat completion, streamed or whole.", "ChatCompletionRequest",
+            _streamed("The whole reply, or with `stream: true` a Server-Sent Events stream of ChatCompletionChunk "
+                      "`data:` events ending with `data: [DONE]`.", "ChatCompletion", "ChatCompletionChunk"),
+        ),
         "/v1/completions": _post(
             "Continue a raw prompt (legacy text completions), streamed or whole.", "CompletionRequest",
-            {"description": "The whole completion, or with `stream: true` a Server-Sent Events stream of "
-             "CompletionChunk `data:` events ending with `data: [DONE]`.",
-             "content": {
-                 "application/json": {"schema": {"$ref": REF.format(model="Completion")}},
-                 "text/event-stream": {"schema": {"type": "string"},
-                                       "x-event-schema": {"$ref": REF.format(model="CompletionChunk")}},
-             }},
+            _streamed("The whole completion, or with `stream: true` a Server-Sent Events stream of CompletionChunk "
+                      "`data:` events ending with `data: [DONE]`.", "Completion", "CompletionChunk"),
         ),
         "/tokenize": _post(
-            "Turn text (`content` or `prompt`) or a conversation (`messages`, through the chat template) into token ids.",
-            "TokenizeRequest", _json("TokenizeResponse", "The token ids, their count and the longest sequence allowed."),
+            "Turn text (`content` or `prompt`) or a conversation (`messages`, through the chat template) into "
+            "token ids.",
+            "TokenizeRequest",
+            _json("TokenizeResponse", "The token ids, their count and the longest sequence allowed."),
         ),
         "/detokenize": _post(
-            "Turn token ids back into text.", "DetokenizeRequest", _json("DetokenizeResponse", "The text, under both names."),
+            "Turn token ids back into text.",
+            "DetokenizeRequest", _json("DetokenizeResponse", "The text, under both names."),
         ),
         "/v1/models": _get("List every name the served model answers to.", _json("ModelList", "The accepted names.")),
         "/v1/models/{model_id}": {
@@ -99,19 +103,15 @@ def _paths() -> dict:
                 },
             }
         },
-        "/metrics": _get(
-            "Prometheus metrics of every worker.",
-            {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        ),
-        "/": _get("The chat page.", {"description": "An HTML page.", "content": {"text/html": {"schema": {"type": "string"}}}}),
+        "/metrics": _get("Prometheus metrics of every worker.",
+                         _plain("Prometheus text exposition format.", "text/plain")),
+        "/": _get("The chat page.", _plain("An HTML page.", "text/html")),
         "/static/{filename}": {
-            **_get("A file of the chat page.", {"description": "The page's HTML, scripts, style and icon.", "content": {
-                media_type: {"schema": {"type": "string"}} for media_type in STATIC_MEDIA_TYPES}}),
+            **_get("A file of the chat page.",
+                   _plain("The page's HTML, scripts, style and icon.", *STATIC_MEDIA_TYPES)),
             "parameters": [{"name": "filename", "in": "path", "required": True, "schema": {"type": "string"}}],
         },
-        "/openapi.json": _get(
-            "This document.", {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}
-        ),
+        "/openapi.json": _get("This document.", _plain("OpenAPI 3.1.", "application/json", schema_type="object")),
     }
 
 

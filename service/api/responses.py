@@ -75,7 +75,8 @@ class ChoiceLogprobs(_Response):
 
 
 LogprobsField = Annotated[
-    ChoiceLogprobs | None, Field(description="With `logprobs: true` the reply's tokens' log probabilities; otherwise null.")
+    ChoiceLogprobs | None,
+    Field(description="With `logprobs: true` the reply's tokens' log probabilities; otherwise null."),
 ]
 
 

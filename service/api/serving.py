@@ -115,6 +115,11 @@ class PreparedReply:
         return self.choice_params[0]
 
 
+def model_unavailable() -> Overloaded:
+    """Build the 503 of a worker whose model is not loaded, or no longer serves."""
+    return Overloaded("the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def interrupted() -> Overloaded:
     """Build the error for a reply the server stopped before its end (a stopping worker): OpenAI has
     no `cancelled` finish reason, and a retry gets the whole reply."""
@@ -141,7 +146,8 @@ def split_choice(event):
     return (event.index, event.event) if isinstance(event, ChoiceEvent) else (0, event)
 
 
-def read_whole_reply(source: EventSource, count: int, take: Callable[[int, object], None]) -> tuple[list[Finished], Finished]:
+def read_whole_reply(source: EventSource, count: int,
+                     take: Callable[[int, object], None]) -> tuple[list[Finished], Finished]:
     """Read a reply's events to its end, handing each choice's text and prompt log-probabilities to
     `take(index, event)`; return every choice's final event and the reply's own.
 
@@ -179,17 +185,18 @@ def choice_params(params: SamplingParams, count: int) -> tuple[SamplingParams, .
     return tuple(dataclasses.replace(params, seed=choice_seed(params.seed, index)) for index in range(count))
 
 
-def check_choices(settings: Settings, engine: ChatEngine, count: int, prompt_tokens: int, params: SamplingParams) -> None:
+def check_choices(settings: Settings, engine: ChatEngine, count: int, prompt_tokens: int,
+                  params: SamplingParams) -> None:
     """Refuse more choices than can run at once, or than the worker's KV budget holds together."""
     if count > settings.max_running:
-        raise InvalidRequest(f"'n' is {count}, above this server's {settings.max_running} running places (MAX_RUNNING): "
-                             "a request's choices decode together", param="n")
+        raise InvalidRequest(f"'n' is {count}, above this server's {settings.max_running} running places "
+                             "(MAX_RUNNING): a request's choices decode together", param="n")
     budget = engine.kv_token_budget
     needed = count * (prompt_tokens + params.max_tokens)
     if count > 1 and budget and needed > budget:
-        raise ContextLengthExceeded(f"{count} choices of {prompt_tokens} prompt tokens and {params.max_tokens} completion "
-                                    f"tokens need {needed} tokens of KV cache, above this server's budget of {budget} "
-                                    "tokens per worker (KV_CACHE_MB)", param="n")
+        raise ContextLengthExceeded(f"{count} choices of {prompt_tokens} prompt tokens and {params.max_tokens} "
+                                    f"completion tokens need {needed} tokens of KV cache, above this server's budget "
+                                    f"of {budget} tokens per worker (KV_CACHE_MB)", param="n")
 
 
 def submit(engine: ChatEngine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
@@ -202,6 +209,4 @@ def submit(engine: ChatEngine, prompt_ids: list[int], choices: tuple[SamplingPar
     except EngineOverloaded as exc:
         raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineUnavailable:
-        raise Overloaded(
-            "the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-        ) from None
+        raise model_unavailable() from None

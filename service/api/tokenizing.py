@@ -6,18 +6,15 @@ The bodies are those of both peers a frontend may have been written for: llama.c
 tokenizer and chat template; this class checks the request against them and knows nothing of Flask.
 """
 
-from .chat import ChatCompletions
 from ..engine import TemplateRefused
-from ..errors import RETRY_AFTER_SECONDS, InvalidRequest, Overloaded
+from ..errors import InvalidRequest
+from .chat import ChatCompletions
+from .chat_request import check_messages, parse_body
 from .limits import check_message_count, check_prompt_text
 from .naming import resolve_model_name
 from .responses import DetokenizeResponse, TokenizeResponse
-from .chat_request import check_messages, parse_body
+from .serving import model_unavailable
 from .tokenize_request import DetokenizeRequest, TokenizeRequest
-
-def _engine_unavailable() -> Overloaded:
-    """Build the 503 of a worker whose tokenizer is not loaded."""
-    return Overloaded("the model is not available on this worker", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 class Tokenization:
@@ -39,7 +36,7 @@ class Tokenization:
                                  param=given[1] if len(given) > 1 else None)
         template = self.engine.template
         if template is None:
-            raise _engine_unavailable()
+            raise model_unavailable()
         if request.messages is not None:
             tokens = self._tokenize_messages(request)
         else:
@@ -47,7 +44,9 @@ class Tokenization:
             text = getattr(request, name)
             check_prompt_text(text, param=name)
             add_special = request.add_special_tokens if request.add_special_tokens is not None else request.add_special
-            tokens = template.encode(text, add_special_tokens=add_special if add_special is not None else name == "prompt")
+            if add_special is None:
+                add_special = name == "prompt"
+            tokens = template.encode(text, add_special_tokens=add_special)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.chat.token_limit()[0])
 
     def _tokenize_messages(self, request: TokenizeRequest) -> list[int]:
@@ -67,10 +66,11 @@ class Tokenization:
         resolve_model_name(self.settings, request.model)
         template = self.engine.template
         if template is None:
-            raise _engine_unavailable()
+            raise model_unavailable()
         limit, limit_name = self.chat.token_limit()
         if len(request.tokens) > limit:
-            raise InvalidRequest(f"'tokens' has {len(request.tokens)} ids, more than {limit_name} holds", param="tokens")
+            raise InvalidRequest(f"'tokens' has {len(request.tokens)} ids, more than {limit_name} holds",
+                                 param="tokens")
         vocab_size = template.vocab_size
         for index, token_id in enumerate(request.tokens):
             if token_id >= vocab_size:

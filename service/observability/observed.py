@@ -10,8 +10,8 @@ import logging
 import threading
 import time
 
-from . import metrics
 from ..engine import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, Started, TextDelta
+from . import metrics
 from .request_record import current_record
 
 log = logging.getLogger(__name__)

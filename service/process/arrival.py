@@ -215,14 +215,16 @@ class ArrivingRequest:
         """Refuse framing that is ambiguous, and a body announced larger than the limit (at once,
         before the client sends it)."""
         if OBS_FOLD.search(self.raw_head, 0, self.head_bytes):
-            raise RefusedRequest(400, "invalid HTTP request: a header line continues onto the next (obs-fold)", MALFORMED[1])
+            raise RefusedRequest(400, "invalid HTTP request: a header line continues onto the next (obs-fold)",
+                                 MALFORMED[1])
         self.raw_head = bytearray()
         names = {name for name, _ in request.headers}
         if b"transfer-encoding" in names:
             # RFC 9112 section 6.1: with both, a proxy in front may have framed the request by the
             # other one; and an HTTP/1.0 message with Transfer-Encoding has faulty framing.
             if b"content-length" in names:
-                raise RefusedRequest(400, "invalid HTTP request: both Content-Length and Transfer-Encoding", MALFORMED[1])
+                raise RefusedRequest(400, "invalid HTTP request: both Content-Length and Transfer-Encoding",
+                                     MALFORMED[1])
             if request.http_version == b"1.0":
                 raise RefusedRequest(400, "invalid HTTP request: Transfer-Encoding in HTTP/1.0", MALFORMED[1])
         for name, value in request.headers:
@@ -248,7 +250,8 @@ class ArrivingRequest:
     def _too_large(self) -> RefusedRequest:
         """Build the 413 naming the limit."""
         return RefusedRequest(
-            413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes", "request_too_large"
+            413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+            "request_too_large",
         )
 
 

@@ -48,7 +48,8 @@ def access_entry(arriving: ArrivingRequest, status: int, sent: int, seconds: flo
         protocol = f"HTTP/{version}"
     headers = []
     if arriving.request is not None:
-        headers = [(name.decode("latin-1").upper(), value.decode("latin-1")) for name, value in arriving.request.headers.raw_items()]
+        headers = [(name.decode("latin-1").upper(), value.decode("latin-1"))
+                   for name, value in arriving.request.headers.raw_items()]
     named = dict(headers)
     path, _, query = target.partition("?")
     client = arriving.conn.client

@@ -39,10 +39,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..settings import Settings, get_settings
 from . import systemd
 from .listener import STORED_SOCKET_NAME, listening_socket
 from .multiproc import empty_multiproc_dir, worker_reported_ready
-from ..settings import Settings, get_settings
 
 log = logging.getLogger("corechat.supervisor")
 
@@ -274,7 +274,8 @@ class Supervisor:
                 log.info("reload: the workers of master %d are ready; old master %d drains", self.serving, retired)
                 reload.tell(f"the workers of new master {self.serving} are ready; old master {retired} "
                             f"finishes its streams (up to GRACEFUL_TIMEOUT, {self.settings.graceful_timeout} s)")
-                reload.end(True, f"master {self.serving} serves the code on disk; old master {retired} drained and exited")
+                reload.end(True, f"master {self.serving} serves the code on disk; "
+                                 f"old master {retired} drained and exited")
             elif now > reload.deadline:
                 self.terminate(reload.successor)
                 reload.end(False, f"the workers of new master {reload.successor} were not all ready within "

@@ -10,9 +10,10 @@ between requests.
 
 Admission happens in the loop too, before any wait: a POST (a chat completion, the only request that
 holds its thread for long: it streams, waits for a whole reply or follows an identical request; a
-quick /tokenize or /detokenize is counted alike) takes one of the worker's MAX_RUNNING + MAX_QUEUE places until its response ends, or is refused with a 503
-at once when none is free, as soon as its head has arrived (before a `100 Continue`, so a full
-worker never makes a client upload the body it refuses). The worker has a thread per place plus
+quick /tokenize or /detokenize is counted alike) takes one of the worker's MAX_RUNNING + MAX_QUEUE
+places until its response ends, or is refused with a 503 at once when none is free, as soon as its
+head has arrived (before a `100 Continue`, so a full worker never makes a client upload the body it
+refuses). The worker has a thread per place plus
 SPARE_HTTP_THREADS, so a request that got a place always gets a thread, and probes, scrapes and
 other quick requests find a free one. A response whose client reads none of it for
 SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
@@ -408,7 +409,8 @@ class CorechatWorker(ThreadWorker):
         """Build the 503 of a request this worker has no room for."""
         return RefusedRequest(
             503,
-            reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); retry shortly",
+            reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); "
+                      "retry shortly",
             "overloaded",
             # Every chat response says whether the cache served it: this one never reached it.
             headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": CacheStatus.BYPASS},
