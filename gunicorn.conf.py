@@ -23,11 +23,11 @@ os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
 )
 os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
-# torch's oneDNN kernels (bf16 matrix products) keep a compiled primitive per
-# input shape, 1,024 of them by default, each holding memory: with prompts of ever new lengths a
-# DTYPE=bfloat16 worker grew by 652 MB over 300 lengths (test_gunicorn.py), and by nothing with 64,
-# which still holds every shape in steady use (batch sizes times layer shapes). Read when a worker
-# first uses oneDNN, after fork.
+# torch's oneDNN kernels (bf16 matrix products) keep a compiled primitive per input shape, 1,024 of
+# them by default, each holding memory: prompts of ever new lengths would grow a DTYPE=bfloat16 worker
+# until it held all of them. 64 still holds every shape in steady use (batch sizes times layer
+# shapes); test_gunicorn.py checks that such a worker stays flat. Read when a worker first uses
+# oneDNN, after fork.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 # numpy (which torch imports) starts an OpenBLAS thread pool at import; nothing in corechat calls

@@ -64,7 +64,8 @@ def test_model_decodes_a_long_context_as_with_sdpa(tiny_model_dir):
 
 
 def test_decoding_at_ever_new_context_lengths_does_not_grow_memory(module):
-    """A bf16 matrix product per step cached a oneDNN primitive per context length: 170 MB per long chat."""
+    """A bf16 matrix product per step would cache a oneDNN primitive per context length, each holding
+    memory, so a long chat would keep growing its worker."""
     query = torch.randn(4, HEADS, 1, DIM, dtype=torch.bfloat16)
     before = anonymous_megabytes()
     for keys in range(500, 800):

@@ -188,8 +188,8 @@ def test_master_keeps_a_chosen_metrics_folder(tmp_path):
 
 
 def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
-    """oneDNN kept a compiled primitive per prompt length (1,024 by default): +735 MB over 300 lengths,
-    about 2.4 MB each; 70 new lengths here."""
+    """oneDNN keeps a compiled primitive per prompt length (1,024 by default), each holding memory;
+    gunicorn.conf.py caps them, so 70 new lengths leave a worker's memory as it was."""
     from support import GunicornServer
 
     with GunicornServer(tmp_path, workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:

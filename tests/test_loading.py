@@ -92,7 +92,7 @@ def test_gunicorn_stops_with_the_reason_when_the_model_is_missing(tmp_path):
 
 
 def test_tokenizer_without_its_python_vocabulary_tokenizes_and_templates_the_same(tiny_model_dir):
-    """Dropping the ~70 MB Python vocabulary and merges changes nothing the engine uses."""
+    """Dropping the tokenizer's Python copy of the vocabulary and merges changes nothing the engine uses."""
     from transformers import AutoTokenizer
 
     from service.engine.loading import load_tokenizer

@@ -2,9 +2,9 @@
 the tool-call arguments of a conversation, and the tool calls a model writes.
 
 Python's JSON decoder and the chat template's `tojson` recurse once per level, against the
-process's recursion limit, so a request nested 100,000 deep raised RecursionError (a 500) at a
-depth that depended on the stack it was parsed on. A fixed depth, checked after decoding, gives
-every such request the same 400 at the same depth.
+process's recursion limit, so a request nested deep enough would raise RecursionError (a 500) at a
+depth that depends on the stack it is parsed on. A fixed depth, checked after decoding, gives every
+such request the same 400 at the same depth.
 """
 
 import json

@@ -1,12 +1,12 @@
 """corechat's Gunicorn worker: requests arrive whole, and are admitted or refused, in the event loop.
 
 Gunicorn's gthread worker hands a connection to a request thread as soon as its first byte arrives,
-and the thread then waits for the rest: sixteen clients that send half a request held every thread
-of a worker, and probes timed out behind them. Here the worker's selector loop reads every request
-to its end (h11 frames it, arrival.py), within REQUEST_ARRIVAL_SECONDS and the size limits,
-and only then gives a request thread what h11 decoded, rebuilt as one Content-Length request that
-Gunicorn parses from memory before it runs the app. Keep-alive connections wait in the same loop
-between requests.
+and the thread then waits for the rest: as many clients as a worker has threads, each sending half a
+request, would hold all of them, and probes would time out behind them. Here the worker's selector
+loop reads every request to its end (h11 frames it, arrival.py), within REQUEST_ARRIVAL_SECONDS and
+the size limits, and only then gives a request thread what h11 decoded, rebuilt as one
+Content-Length request that Gunicorn parses from memory before it runs the app. Keep-alive
+connections wait in the same loop between requests.
 
 Admission happens in the loop too, before any wait: a POST (a chat completion, the only request that
 holds its thread for long: it streams, waits for a whole reply or follows an identical request; a
@@ -332,9 +332,9 @@ class CorechatWorker(ThreadWorker):
         """Handle what is ready, and what became ready meanwhile (a burst), then start the requests
         that became whole.
 
-        Running request threads contend for the GIL with this loop, which then refused the rest of
-        a burst only between their slices: with 72 requests at once per worker, the last refusals
-        came after 0.9 s. Started after the burst, they let the loop refuse it within tens of ms.
+        Running request threads contend for the GIL with this loop, which would then refuse the
+        rest of a burst only between their slices; started after the burst, they let the loop
+        refuse all of it at once (test_admission.py holds refusals to its bound).
         """
         for burst_round in range(BURST_ROUNDS):
             events = self.poller.select(timeout if burst_round == 0 else 0)
