@@ -1,9 +1,9 @@
 """corechat: an OpenAI-compatible chat server for CPUs, on Flask and Gunicorn.
 
-The layers, each a folder, each importing only those below it:
+The layers, from the top, each importing only those below it:
 
 - process/: Gunicorn's hooks and worker class, and the supervisor under systemd; the Gunicorn
-  master runs this layer and never imports torch (see its docstring).
+  master runs this layer, which never brings torch in by itself (see its docstring).
 - app.py: `create_app`, which each worker calls after fork (wsgi.py).
 - api/: the HTTP API: the routes, the request and response models, and the serving classes that
   take a request to the engine and its events to OpenAI's wire format.
