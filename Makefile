@@ -11,7 +11,7 @@ SYSTEM_PACKAGES := $(shell cat .ci/system-packages.txt)
 BUILD_PACKAGES := g++
 KERNEL_SOURCES := $(wildcard service/engine/kernels/csrc/*) service/engine/kernels/__init__.py
 
-.PHONY: setup system-deps build-deps install-packages serve demo-model test test-deploy bench bench-quick clean
+.PHONY: setup system-deps build-deps install-packages serve demo-model lint test test-deploy bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,15 @@ install-packages:
 	fi
 
 demo-model: setup
-	@if [ -z "$(MODEL)" ]; then $(PY) -m service.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
+	@if [ -z "$(MODEL)" ]; then $(PY) -m devtools.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
 
 # Serve on the embedded default: the demo model (random weights!) unless MODEL is set.
 serve: demo-model
 	MODEL="$${MODEL:-$(DEMO_MODEL_DIR)}" $(VENV)/bin/gunicorn -c gunicorn.conf.py
+
+# ruff, configured in pyproject.toml: pyflakes, pycodestyle and import order, lines up to 120.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 test: system-deps setup
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"

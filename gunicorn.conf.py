@@ -14,7 +14,7 @@ import tempfile
 # anything imports the service; workers inherit it through fork. The default is one folder per
 # master, stable across a config reload (SIGHUP), which re-reads this file in the same process.
 # Unset or empty (as the example environment file's commented default reads) both mean the default.
-# Under service/supervisor.py (SUPERVISED), the folder is the supervisor's: two masters share it
+# Under service/process/supervisor.py (SUPERVISED), the folder is the supervisor's: two masters share it
 # during a reload, and the supervisor empties it once, at its start, instead of each master.
 SUPERVISED = "CORECHAT_SUPERVISOR_PID" in os.environ
 DEFAULT_METRICS_DIR_PREFIX = os.path.join(tempfile.gettempdir(), "corechat-metrics-")
@@ -23,25 +23,25 @@ os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
 )
 os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
-# torch's oneDNN kernels (bf16 matrix products) keep a compiled primitive per
-# input shape, 1,024 of them by default, each holding memory: with prompts of ever new lengths a
-# DTYPE=bfloat16 worker grew by 652 MB over 300 lengths (test_gunicorn.py), and by nothing with 64,
-# which still holds every shape in steady use (batch sizes times layer shapes). Read when a worker
-# first uses oneDNN, after fork.
+# torch's oneDNN kernels (bf16 matrix products) keep a compiled primitive per input shape, 1,024 of
+# them by default, each holding memory: prompts of ever new lengths would grow a DTYPE=bfloat16 worker
+# until it held all of them. 64 still holds every shape in steady use (batch sizes times layer
+# shapes); test_gunicorn.py checks that such a worker stays flat. Read when a worker first uses
+# oneDNN, after fork.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 # numpy (which torch imports) starts an OpenBLAS thread pool at import; nothing in corechat calls
 # numpy's BLAS, and a master with no other thread cannot fork while one holds a lock.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from service.settings import get_settings  # noqa: E402 (after the metrics folder, see above)
+# After the metrics folder is set (see above); these modules never import torch (service/process/).
+from service.process import lifecycle, multiproc  # noqa: E402
+from service.settings import get_settings  # noqa: E402
 
 settings = get_settings()
 
 if settings.preload_libraries:
-    from service.lifecycle import import_worker_libraries
-
-    import_worker_libraries(settings.model)
+    lifecycle.import_worker_libraries(settings.model)
 
 wsgi_app = "wsgi:app"
 bind = settings.bind
@@ -49,8 +49,8 @@ bind = settings.bind
 # sibling would only split the same bandwidth and caches.
 workers = settings.worker_count
 # gthread, except that each request is read whole in the worker's event loop before a thread takes
-# it, and a worker accepts connections only once its model is ready (service/worker.py).
-worker_class = "service.worker.CorechatWorker"
+# it, and a worker accepts connections only once its model is ready (service/process/worker.py).
+worker_class = "service.process.worker.CorechatWorker"
 # A thread per chat request a worker admits (MAX_RUNNING running + MAX_QUEUE queued; its event loop
 # refuses the next with a 503 at once), plus SPARE_HTTP_THREADS that stay free for probes, scrapes
 # and other quick requests: no request waits for a thread behind generations.
@@ -72,10 +72,8 @@ errorlog = "-"
 
 def on_starting(server):
     """Empty the metrics folder of a previous run, before any worker writes to it (unless SUPERVISED)."""
-    from service.multiproc import empty_multiproc_dir
-
     if not SUPERVISED:
-        empty_multiproc_dir(settings.prometheus_multiproc_dir)
+        multiproc.empty_multiproc_dir(settings.prometheus_multiproc_dir)
 
 
 def on_exit(server):
@@ -86,27 +84,19 @@ def on_exit(server):
 
 def child_exit(server, worker):
     """Forget a dead worker's live gauges (requests running, ready), even after a SIGKILL."""
-    from service.multiproc import forget_worker
-
-    forget_worker(worker.pid, settings.prometheus_multiproc_dir)
+    multiproc.forget_worker(worker.pid, settings.prometheus_multiproc_dir)
 
 
 def pre_fork(server, worker):
     """Give the worker a stable slot, used for CPU pinning."""
-    from service.lifecycle import assign_slot
-
-    assign_slot(server, worker)
+    lifecycle.assign_slot(server, worker)
 
 
 def post_worker_init(worker):
     """Set threads, pin, load and warm the model of this worker (after fork, in the worker)."""
-    from service.lifecycle import boot_worker
-
-    boot_worker(worker)
+    lifecycle.boot_worker(worker)
 
 
 def worker_exit(server, worker):
     """Stop the engine after in-flight streams drained (in the worker, as it exits)."""
-    from service.lifecycle import stop_worker
-
-    stop_worker(worker)
+    lifecycle.stop_worker(worker)

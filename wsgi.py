@@ -1,5 +1,5 @@
 """Gunicorn's entry point: `gunicorn wsgi:app` (see gunicorn.conf.py)."""
 
-from service import create_app
+from service.app import create_app
 
 app = create_app()

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     if args.model is None:
-        from service.devmodel import build_dev_model
+        from devtools.devmodel import build_dev_model
 
         args.model = str(build_dev_model(Path.home() / ".cache" / "corechat" / "test-tiny", preset="tiny"))
     with tempfile.TemporaryDirectory() as work:

@@ -27,8 +27,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.run import CACHE_DIR, StreamResult, progress, start_corechat, stream_chat  # noqa: E402
+from service.topology import physical_cores  # noqa: E402
 from support import free_port  # noqa: E402
-from service.settings import physical_cores  # noqa: E402
 
 # One sentence of a user's message: 16 Qwen2 tokens.
 SENTENCE = "Please keep the following notes in mind while you answer the question below. "
@@ -155,7 +155,7 @@ def with_peer(scratch: Path, peer_model: Path, measure) -> dict:
 
 def run(sizes: Sizes, peer: bool, settings: dict | None = None) -> dict:
     """Run the rounds (`settings` for the multi-turn corechat server); return every round's figures."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     model_dir = CACHE_DIR / ("test-tiny" if sizes.preset == "tiny" else f"bench-{sizes.preset}")
     build_dev_model(model_dir, sizes.preset)

@@ -25,11 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import RedisServer  # noqa: E402
-
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.probes import DEV_MODEL_DIR  # noqa: E402
 from bench.run import short_chat, start_corechat, stream_chat  # noqa: E402
+from support import RedisServer  # noqa: E402
 
 TIMINGS_LINE = re.compile(r"first token timings \(ms\): (.*)$")
 SERVED_PARTS = ("first_token", "before_queue", "queue", "prompt_pass", "after_prompt_pass", "first_write")
@@ -181,7 +180,7 @@ def main() -> None:
     parser.add_argument("--name", default="first-token")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.settings import Settings
 
     preset = "tiny" if args.model_dir.name == "test-tiny" else "qwen2.5-0.5b"

@@ -25,8 +25,15 @@ import torch  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.grammar_probe import SCHEMA  # noqa: E402
-from service.engine import Engine, Finished, SamplingParams, Started, TextDelta, json_schema_grammar  # noqa: E402
-from service.engine import scheduler  # noqa: E402
+from service.engine import (  # noqa: E402
+    Engine,
+    Finished,
+    SamplingParams,
+    Started,
+    TextDelta,
+    json_schema_grammar,
+    scheduler,
+)
 
 STREAMS = (1, 8)
 MASK_SECONDS: list[float] = []
@@ -64,7 +71,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.settings import Settings
 
     torch.set_num_threads(1)

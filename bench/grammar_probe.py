@@ -263,7 +263,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig, AutoTokenizer
 
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     torch.set_num_threads(1)
     model_dir = build_dev_model(Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b", "qwen2.5-0.5b")

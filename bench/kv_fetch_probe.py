@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
-from support import RedisServer  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.probes import load_dev_runner  # noqa: E402
 from service.cache.kvshare import RedisPrefixes  # noqa: E402
 from service.engine.prefixes import PrefixStore  # noqa: E402
 from service.settings import Settings  # noqa: E402
+from support import RedisServer  # noqa: E402
 
 CHUNK = Settings.model_fields["prefill_chunk_tokens"].default
 END_OF_TURN = 151645

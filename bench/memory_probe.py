@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import save_results  # noqa: E402
 from bench.run import memory_of, processes_of, short_chat, start_corechat, stream_chat  # noqa: E402
-from service.devmodel import build_dev_model  # noqa: E402
+from devtools.devmodel import build_dev_model  # noqa: E402
 
 MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
 

@@ -24,10 +24,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from loadgen import chat_exchange, probe_exchanges, run_exchanges  # noqa: E402
+from service.settings import Settings  # noqa: E402
 from support import COUNTING, GunicornServer, chat, send_until_every_worker_served  # noqa: E402
 from test_worker import STALLED_PER_KIND, STALLS, raw_exchange  # noqa: E402
-
-from service.settings import Settings  # noqa: E402
 
 DEFAULTS = Settings.model_construct()
 WORKERS = 2

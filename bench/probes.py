@@ -32,7 +32,7 @@ def load_dev_model(dtype: str):
 
 def load_prepared_dev_model(dtype: str):
     """load_dev_model, and what preparing the model decided (service.engine.prepare.PreparedModel)."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
     from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
     from service.engine.prepare import prepare_model

@@ -30,11 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
-
 from bench import RESULTS_DIR, save_results  # noqa: E402
 from bench.comparison import peer_ratios, render_peer_table  # noqa: E402
-from service.settings import Settings, physical_cores  # noqa: E402
+from service.settings import Settings  # noqa: E402
+from service.topology import physical_cores  # noqa: E402
+from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -446,7 +446,7 @@ def vector_extensions() -> list[str]:
 
 def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
     """Measure everything and return the results."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     cores = physical_cores()
     progress(f"dev model {plan.preset} in {plan.model_dir} (built once)")

@@ -29,9 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
+from devtools.devmodel import build_dev_model  # noqa: E402
 from support import TINY_MODEL_DIR, GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
-
-from service.devmodel import build_dev_model  # noqa: E402
 
 VERDICTS = {True: "pass", False: "FAIL", None: "not judged (run too short)"}
 MIN_REQUESTS_FOR_RSS = 200

@@ -155,7 +155,7 @@ if [ -n "$DEV_MODEL" ]; then
         exit 1
     fi
     "$VENV/bin/python" -m pip install --quiet -r "$SOURCE/requirements-devmodel.txt"
-    (cd "$APP" && "$VENV/bin/python" -m service.devmodel "$ROOT/srv/corechat/model" --preset "$DEV_MODEL" >/dev/null)
+    (cd "$SOURCE" && "$VENV/bin/python" -B -m devtools.devmodel "$ROOT/srv/corechat/model" --preset "$DEV_MODEL" >/dev/null)
 fi
 
 # Debian's default nginx site also listens on port 80, as its default server: it would answer there

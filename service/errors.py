@@ -113,7 +113,7 @@ def raw_error_response(error: APIError) -> bytes:
         "Content-Type: application/json",
         f"Content-Length: {len(body)}",
         "Connection: close",
-        # What the app adds to its own JSON replies (service/auth.py).
+        # What the app adds to its own JSON replies (service/api/auth.py).
         "X-Content-Type-Options: nosniff",
         "Cache-Control: no-store",
         *(f"{name}: {value}" for name, value in error.headers.items()),
@@ -140,7 +140,7 @@ def init_app(app) -> None:
     """Route every error through the OpenAI error shape (before any route is registered)."""
     # Flask would answer OPTIONS on every route with an empty 200 page, and a doubled slash
     # (/v1//chat/completions) with a 308 HTML redirect: both become 405 and 404 in OpenAI's shape.
-    # CORS preflights are answered before routing (service/auth.py).
+    # CORS preflights are answered before routing (service/api/auth.py).
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.url_map.merge_slashes = False
     app.register_error_handler(APIError, error_response)

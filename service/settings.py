@@ -14,31 +14,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .topology import physical_cores
+
 DEFAULT_DEMO_MODEL_DIR = Path.home() / ".cache" / "corechat" / "demo-qwen2.5-0.5b"
-
-
-def _allowed_cpus() -> list[int]:
-    """Return the CPUs this process may run on, sorted."""
-    return sorted(os.sched_getaffinity(0))
-
-
-def physical_core_groups() -> list[list[int]]:
-    """Group the CPUs this process may use by physical core (SMT siblings share a group)."""
-    groups: dict[tuple[str, str], list[int]] = {}
-    for cpu in _allowed_cpus():
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            package = (topology / "physical_package_id").read_text().strip()
-            core = (topology / "core_id").read_text().strip()
-        except OSError:
-            package, core = "?", str(cpu)
-        groups.setdefault((package, core), []).append(cpu)
-    return list(groups.values())
-
-
-def physical_cores() -> int:
-    """Count the physical cores this process may use (logical CPUs minus SMT siblings)."""
-    return max(1, len(physical_core_groups()))
 
 
 class Settings(BaseSettings):
@@ -197,7 +175,7 @@ class Settings(BaseSettings):
     # Metrics
     prometheus_multiproc_dir: str = Field(
         "", description="Folder where the workers share their metric values (prometheus_client's "
-        "multiprocess mode); emptied when Gunicorn starts (under service.supervisor, which runs two "
+        "multiprocess mode); emptied when Gunicorn starts (under service.process.supervisor, which runs two "
         "masters on it during a reload, when the supervisor starts). gunicorn.conf.py defaults it to a "
         "folder per master under the temp dir, the supervisor to one of its own; empty outside Gunicorn: "
         "/metrics serves this process alone."
@@ -358,7 +336,9 @@ class Settings(BaseSettings):
             try:
                 ipaddress.ip_network(network, strict=False)
             except ValueError:
-                raise ValueError(f"allowed_networks: {network!r} is not an address or network like 10.0.0.0/24") from None
+                raise ValueError(
+                    f"allowed_networks: {network!r} is not an address or network like 10.0.0.0/24"
+                ) from None
         return value
 
     @property
@@ -380,29 +360,6 @@ class Settings(BaseSettings):
 def _split_list(value: str) -> list[str]:
     """Split a comma-separated setting into its non-empty, stripped items."""
     return [item.strip() for item in value.split(",") if item.strip()]
-
-
-def systemd_notify_socket() -> str:
-    """Return the socket systemd gave this process for its notifications (NOTIFY_SOCKET), or "".
-
-    systemd's protocol, not a setting: systemd sets it for the processes of a Type=notify unit.
-    """
-    return os.environ.get("NOTIFY_SOCKET", "")
-
-
-def systemd_listen_fds() -> list[tuple[int, str]]:
-    """Return the descriptors systemd passed this process (from 3 on) with their names, once.
-
-    systemd's protocol, not a setting: LISTEN_FDS counts them, LISTEN_FDNAMES names them, and they
-    are meant only for the process LISTEN_PID names. The variables are removed, as sd_listen_fds(3)
-    does, so no child mistakes them for its own.
-    """
-    meant_for_us = os.environ.pop("LISTEN_PID", "") == str(os.getpid())
-    count = int(os.environ.pop("LISTEN_FDS", "0") or 0)
-    names = os.environ.pop("LISTEN_FDNAMES", "").split(":")
-    if not meant_for_us:
-        return []
-    return [(3 + index, names[index] if index < len(names) else "unknown") for index in range(count)]
 
 
 @lru_cache(maxsize=1)

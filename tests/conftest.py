@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from service import create_app
+from service.app import create_app
 from service.settings import Settings
 from support import TINY_MODEL_DIR
 
@@ -13,7 +13,7 @@ from support import TINY_MODEL_DIR
 def pytest_configure(config):
     """Build the tiny model once in the process that starts the test workers, which would race to build it."""
     if not hasattr(config, "workerinput"):
-        from service.devmodel import build_dev_model
+        from devtools.devmodel import build_dev_model
 
         build_dev_model(TINY_MODEL_DIR, preset="tiny")
 
@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """Return the folder of the tiny random-weight Qwen2 model, building it if needed."""
-    from service.devmodel import build_dev_model
+    from devtools.devmodel import build_dev_model
 
     return build_dev_model(TINY_MODEL_DIR, preset="tiny")
 

@@ -1,10 +1,10 @@
-"""Check real responses against the published OpenAPI document (service/openapi.py)."""
+"""Check real responses against the published OpenAPI document (service/api/openapi.py)."""
 
 import json
 
 from jsonschema import Draft202012Validator
 
-from service.openapi import openapi_document
+from service.api.openapi import openapi_document
 
 
 def schema_validator(name: str, document: dict | None = None) -> Draft202012Validator:

@@ -67,9 +67,8 @@ def write_nginx_main(work_dir: Path, site: Path) -> Path:
     site must keep streams uncompressed, since gzip holds output back until its buffer fills.
     """
     main = work_dir / "nginx.conf"
-    temp_paths = "".join(
-        f"    {kind}_temp_path {work_dir}/{kind}_temp;\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
+    temp_paths = "".join(f"    {kind}_temp_path {work_dir}/{kind}_temp;\n"
+                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     main.write_text(
         f"daemon off;\nworker_processes 1;\npid {work_dir}/nginx.pid;\nerror_log {work_dir}/error.log info;\n"
         f"events {{ worker_connections 256; }}\n"
@@ -98,7 +97,8 @@ class NginxServer:
         tls_dir = make_tls_cert(work_dir / "tls")
         self.ca_file = str(tls_dir / "fullchain.pem")
         site = work_dir / "corechat.conf"
-        site.write_text(render_nginx_site(upstream_ports, self.port, read_timeout, http_port=self.http_port, tls_dir=tls_dir))
+        site.write_text(render_nginx_site(upstream_ports, self.port, read_timeout, http_port=self.http_port,
+                                          tls_dir=tls_dir))
         self.config = write_nginx_main(work_dir, site)
         self.process: subprocess.Popen | None = None
 

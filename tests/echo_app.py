@@ -11,7 +11,7 @@ import hashlib
 
 from flask import jsonify, request
 
-from service import create_app
+from service.app import create_app
 
 # Bodies up to this size come back whole; longer ones only by length and hash.
 ECHOED_BODY_BYTES = 4096

@@ -8,7 +8,7 @@ the engine loop itself. The
 cue is a request's seed, a value nothing else sends.
 """
 
-from service import create_app
+from service.app import create_app
 from service.engine.sampling import Sampler
 from service.engine.scheduler import Scheduler
 

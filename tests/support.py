@@ -38,7 +38,8 @@ COUNTING = [{"role": "user", "content": "Count to a thousand, slowly."}]
 
 
 def chat(server, **body) -> requests.Response:
-    """Send one chat request (COUNTING unless `messages` is given) on a fresh connection, so requests spread over the workers."""
+    """Send one chat request (COUNTING unless `messages` is given) on a fresh connection, so requests spread
+    over the workers."""
     return requests.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": COUNTING, **body},
@@ -105,7 +106,7 @@ class GunicornServer:
 
     def __init__(self, log_dir: Path, *, workers: int = 2, app: str | None = None, **settings):
         if "model" not in settings:
-            from service.devmodel import build_dev_model
+            from devtools.devmodel import build_dev_model
 
             settings = {"model": build_dev_model(TINY_MODEL_DIR, preset="tiny"), "model_name": "tiny", **settings}
         self.port = free_port()

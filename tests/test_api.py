@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from service.engine import SamplingParams
+
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 
 
@@ -90,7 +92,7 @@ def test_stream_without_usage_option_has_no_usage_field(client):
 
 
 def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir):
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     settings = make_settings(max_running=1, sse_ping_seconds=0.05)
@@ -99,7 +101,7 @@ def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir)
     assert engine.wait_ready(60)
     try:
         app = create_app(settings, engine=engine)
-        blocker = engine.submit(engine.template.encode("hello"), __import__("service.engine", fromlist=["SamplingParams"]).SamplingParams(max_tokens=100_000, temperature=0))
+        blocker = engine.submit(engine.template.encode("hello"), SamplingParams(max_tokens=100_000, temperature=0))
         blocker.next_event(timeout=30)
         response = app.test_client().post(
             "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}, buffered=False
@@ -128,8 +130,10 @@ def test_max_completion_tokens_is_honoured(client):
 
 
 def test_content_as_text_parts_equals_plain_string(client):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku "}, {"type": "text", "text": "about CPUs."}]}]
-    as_parts = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 4, "temperature": 0}).get_json()
+    texts = [{"type": "text", "text": "Write a haiku "}, {"type": "text", "text": "about CPUs."}]
+    parts = [{"role": "user", "content": texts}]
+    as_parts = client.post("/v1/chat/completions",
+                           json={"messages": parts, "max_tokens": 4, "temperature": 0}).get_json()
     as_string = chat(client, max_tokens=4, temperature=0).get_json()
     # The second reuses the first's prompt KV: every count but cached_tokens is the same.
     assert {**as_parts["usage"], "prompt_tokens_details": None} == {**as_string["usage"], "prompt_tokens_details": None}
@@ -155,7 +159,8 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].type"),
         ({"messages": USER, "temperature": -0.1}, "temperature"),
         ({"messages": USER, "temperature": 2.5}, "temperature"),
         ({"messages": USER, "temperature": "1"}, "temperature"),
@@ -178,7 +183,8 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"messages": USER, "tools": {"type": "function"}}, "tools"),
         ({"messages": USER, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
-        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+         "tools[0].function.name"),
         ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
          "tools[0].function.parameters"),
         ({"messages": USER, "tools": [TOOL, TOOL]}, "tools"),
@@ -188,8 +194,8 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
         ({"messages": USER, "tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-        ({"messages": USER, "tools": [tool_with({"type": "string", "format": "no-such-format"})], "tool_choice": "required"},
-         "tools"),
+        ({"messages": USER, "tools": [tool_with({"type": "string", "format": "no-such-format"})],
+          "tool_choice": "required"}, "tools"),
         ({"messages": USER, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
         ({"messages": USER, "response_format": "json"}, "response_format"),
@@ -197,10 +203,11 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
          "response_format.json_schema.name"),
-        ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
+        ({"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
          "response_format"),
-        ({"messages": USER, "response_format": {"type": "json_schema",
-                                                "json_schema": {"name": "a", "schema": {"type": "string", "format": "no-such"}}}},
+        ({"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "format": "no-such"}}}},
          "response_format"),
         ({"messages": USER, "logprobs": "yes"}, "logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -211,11 +218,14 @@ def test_null_n_and_stream_mean_their_defaults_as_openai_accepts(client):
         ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
         ({"messages": [*USER, {"role": "assistant", "content": None}]}, "messages[1].content"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
+        ({"messages": [*USER, {"role": "assistant",
+                               "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
          "messages[1].tool_calls[0].function.arguments"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+        ({"messages": [*USER, {"role": "assistant",
+                               "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
          "messages[1].tool_calls[0].function.arguments"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "code"}]}]}, "messages[1].tool_calls[0].type"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "code"}]}]},
+         "messages[1].tool_calls[0].type"),
     ],
 )
 def test_bad_fields_get_400_naming_the_field(client, body, param):
@@ -230,7 +240,8 @@ def test_bad_fields_get_400_naming_the_field(client, body, param):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"{", b"[]", b'"text"', b"null", b'{"messages": NaN}', b'{"temperature": Infinity}', b"\xff\xfe{}", b"[" * 100_000],
+    [b"{", b"[]", b'"text"', b"null", b'{"messages": NaN}', b'{"temperature": Infinity}', b"\xff\xfe{}",
+     b"[" * 100_000],
 )
 def test_malformed_bodies_get_400(client, raw):
     response = client.post("/v1/chat/completions", data=raw, content_type="application/json")
@@ -272,7 +283,7 @@ def test_prompt_longer_than_context_gets_400(client):
 
 
 def test_max_tokens_above_configured_limit_gets_400(make_settings, engine):
-    from service import create_app
+    from service.app import create_app
 
     client = create_app(make_settings(max_model_len=256, max_tokens_limit=8), engine=engine).test_client()
     response = chat(client, max_tokens=9)
@@ -298,7 +309,7 @@ def test_health_and_readiness(client, engine):
 
 
 def test_readiness_is_503_until_the_model_is_loaded(make_settings):
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     engine = Engine(make_settings())
@@ -330,7 +341,7 @@ def test_doubled_slash_and_options_without_cors_get_json_errors_not_html(client)
 
 
 def test_omitted_sampling_fields_take_the_models_generation_config(app):
-    from service.schemas import parse_chat_request
+    from service.api.chat_request import parse_chat_request
 
     chat = app.extensions["corechat"].chat
     omitted = chat.prepare(parse_chat_request({"messages": USER})).params
@@ -339,14 +350,17 @@ def test_omitted_sampling_fields_take_the_models_generation_config(app):
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.5, 3)
     # repetition_penalty applies greedy or not, as transformers and vLLM apply it.
     assert omitted.repetition_penalty == given.repetition_penalty == 1.05
-    assert chat.prepare(parse_chat_request({"messages": USER, "repetition_penalty": 1.0})).params.repetition_penalty == 1.0
+    neutral = chat.prepare(parse_chat_request({"messages": USER, "repetition_penalty": 1.0})).params
+    assert neutral.repetition_penalty == 1.0
 
 
 # A template in the style of many non-Qwen models: it raises on a role order it does not support.
 STRICT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and not loop.first %}{{ raise_exception('System message must be first') }}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and loop.first %}{{ raise_exception('Conversation must start with the user') }}{%- endif %}"
+    "{%- if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be first') }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and loop.first %}"
+    "{{ raise_exception('Conversation must start with the user') }}{%- endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -356,7 +370,7 @@ STRICT_TEMPLATE = (
 @pytest.fixture(scope="module")
 def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
     """Return a client of the tiny model given a chat template that raises on role orders it refuses."""
-    from service import create_app
+    from service.app import create_app
     from service.engine import Engine
 
     model_dir = tmp_path_factory.mktemp("strict-template")
@@ -381,10 +395,12 @@ def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
         ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "System message must be first"),
         ([{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}, {"role": "user", "content": "c"}],
          "System message must be first"),
-        ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], "Conversation must start with the user"),
+        ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+         "Conversation must start with the user"),
     ],
 )
-def test_a_chat_template_that_refuses_the_messages_gets_400_naming_messages(strict_template_client, messages, reason, stream):
+def test_a_chat_template_that_refuses_the_messages_gets_400_naming_messages(strict_template_client, messages, reason,
+                                                                            stream):
     response = strict_template_client.post("/v1/chat/completions", json={"messages": messages, "stream": stream})
     assert response.status_code == 400, response.get_data(as_text=True)
     error = response.get_json()["error"]
@@ -409,14 +425,15 @@ def test_a_chat_template_without_tool_support_gets_400_naming_tools(strict_templ
 
 
 def test_tools_and_a_tool_round_trip_render_through_the_models_template(app):
-    from service.schemas import parse_chat_request
+    from service.api.chat_request import parse_chat_request
 
     chat = app.extensions["corechat"].chat
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     prepared = chat.prepare(parse_chat_request({"messages": messages, "tools": [TOOL]}))
     prompt = chat.engine.tokenizer.decode(prepared.prompt_ids)
-    assert '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"' in prompt  # Qwen2.5's <tools>
+    # Qwen2.5's <tools>
+    assert '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"' in prompt
     assert '<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
     without = chat.prepare(parse_chat_request({"messages": messages, "tools": [TOOL], "tool_choice": "none"}))
@@ -426,7 +443,8 @@ def test_tools_and_a_tool_round_trip_render_through_the_models_template(app):
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
      "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+    ({"messages": [{"role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
      "messages[0].content[0].type"),
     ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),

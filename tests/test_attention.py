@@ -59,7 +59,8 @@ def test_a_prompts_tokens_attend_causally_to_softmax_attention_within_bfloat16_r
     tokens = 300
     pool = new_pool(8, dim)
     table = torch.randperm(8, generator=torch.Generator().manual_seed(0))[: -(-tokens // PAGE_TOKENS)].unsqueeze(0)
-    query, keys, values = random(tokens, HEADS, dim, seed=1), random(tokens, KV_HEADS, dim, seed=2), random(tokens, KV_HEADS, dim, seed=3)
+    query = random(tokens, HEADS, dim, seed=1)
+    keys, values = random(tokens, KV_HEADS, dim, seed=2), random(tokens, KV_HEADS, dim, seed=3)
     out = attend(pool, query, keys, values, table, [0] * tokens, list(range(tokens)))
     for token in (0, 1, 15, 16, 63, 64, 65, 299):
         want = expected(query[token], keys[: token + 1], values[: token + 1])
@@ -74,7 +75,8 @@ def test_every_path_gives_the_references_bits():
         pool = new_pool(4)
         table = torch.tensor([[3, 0, 2, 1]])
         results[path] = attend(pool, random(tokens, HEADS, DIM, seed=4), random(tokens, KV_HEADS, DIM, seed=5),
-                               random(tokens, KV_HEADS, DIM, seed=6), table, [0] * tokens, list(range(tokens)), path=path)
+                               random(tokens, KV_HEADS, DIM, seed=6), table, [0] * tokens, list(range(tokens)),
+                               path=path)
     for path, got in results.items():
         assert torch.equal(got, results["reference"]), path
 
@@ -82,7 +84,8 @@ def test_every_path_gives_the_references_bits():
 def test_a_token_gets_the_same_bits_in_a_prompt_pass_in_chunks_and_as_a_decode_step():
     """Whole, cut in chunks, or one row at a time as decode steps: each token's output is the same bits."""
     tokens = 150
-    query, keys, values = random(tokens, HEADS, DIM, seed=7), random(tokens, KV_HEADS, DIM, seed=8), random(tokens, KV_HEADS, DIM, seed=9)
+    query = random(tokens, HEADS, DIM, seed=7)
+    keys, values = random(tokens, KV_HEADS, DIM, seed=8), random(tokens, KV_HEADS, DIM, seed=9)
     table = torch.tensor([[1, 2, 0]])
     outputs = []
     for cuts in ([0, tokens], [0, 16, 17, 100, tokens], list(range(tokens + 1))):
@@ -101,10 +104,12 @@ def test_a_decode_rows_bits_do_not_depend_on_the_other_rows_of_its_step():
     for index, length in enumerate(lengths):  # the sequences' earlier tokens, written as prompts
         attend(pool, random(length, HEADS, DIM, seed=index), random(length, KV_HEADS, DIM, seed=10 + index),
                random(length, KV_HEADS, DIM, seed=20 + index), tables, [index] * length, list(range(length)))
-    query, keys, values = random(8, HEADS, DIM, seed=30), random(8, KV_HEADS, DIM, seed=31), random(8, KV_HEADS, DIM, seed=32)
+    query = random(8, HEADS, DIM, seed=30)
+    keys, values = random(8, KV_HEADS, DIM, seed=31), random(8, KV_HEADS, DIM, seed=32)
     together = attend(pool, query, keys, values, tables, list(range(8)), lengths)
     for row, length in enumerate(lengths):
-        alone = attend(pool, query[row:row + 1], keys[row:row + 1], values[row:row + 1], tables[row:row + 1], [0], [length])
+        one = slice(row, row + 1)
+        alone = attend(pool, query[one], keys[one], values[one], tables[one], [0], [length])
         assert torch.equal(alone[0], together[row]), row
 
 
@@ -149,6 +154,7 @@ def test_decoding_at_ever_new_context_lengths_does_not_grow_memory():
            random(tokens, KV_HEADS, DIM, seed=52), tables, [0] * tokens, list(range(tokens)))
     before = anonymous_megabytes()
     for position in range(500, 800):
-        attend(pool, random(1, HEADS, DIM, seed=position), random(1, KV_HEADS, DIM, seed=1), random(1, KV_HEADS, DIM, seed=2),
+        attend(pool, random(1, HEADS, DIM, seed=position), random(1, KV_HEADS, DIM, seed=1),
+               random(1, KV_HEADS, DIM, seed=2),
                tables, [0], [position])
     assert anonymous_megabytes() - before < 10

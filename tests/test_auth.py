@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import requests
 
-from service import create_app
+from service.app import create_app
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 ALLOWED_ORIGIN = "https://chat.example.com"
@@ -48,7 +48,8 @@ def test_missing_key_gets_401_saying_how_to_send_one(locked_client):
 
 @pytest.mark.parametrize(
     "authorization",
-    ["Bearer sk-wrong", f"Bearer {KEYS[0][:-1]}", f"Bearer {KEYS[0]}x", f"Basic {KEYS[0]}", KEYS[0], "Bearer ", "Bearer sk-ké"],
+    ["Bearer sk-wrong", f"Bearer {KEYS[0][:-1]}", f"Bearer {KEYS[0]}x", f"Basic {KEYS[0]}", KEYS[0], "Bearer ",
+     "Bearer sk-ké"],
 )
 def test_wrong_key_or_scheme_gets_401_without_echoing_it(locked_client, authorization):
     assert_invalid_api_key(locked_client.get("/v1/models", headers={"Authorization": authorization}))
@@ -205,7 +206,8 @@ def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_
         # A client that waits for `100 Continue` before its body gets the refusal instead, uploading nothing.
         with socket.create_connection(("127.0.0.1", keyed_gunicorn.port), timeout=10) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer %s\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n" % KEYS[0].encode())
+                         b"Authorization: Bearer %s\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n"
+                         % KEYS[0].encode())
             assert sock.recv(12) == b"HTTP/1.1 503"
     finally:
         hang_up_all(holders)

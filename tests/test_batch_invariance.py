@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.engine import Engine, Failed, SamplingParams, TextDelta, kernels
-from service.engine import scheduler
+from service.engine import Engine, Failed, SamplingParams, TextDelta, kernels, scheduler
 from service.engine.quantized import FORMATS, quantize_int4, quantize_int8
 from service.settings import Settings
 from support import ready_facts
@@ -165,7 +164,8 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        prompts = [engine.template.encode(engine.template.render([{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
+        prompts = [engine.template.encode(engine.template.render(
+            [{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
                    for i in range(8)]
         params = SamplingParams(max_tokens=24, temperature=0.0 if seed is None else 1.0, seed=seed)
         alone, alone_logits = [], []
@@ -230,7 +230,8 @@ def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_s
     engine.start()
     assert engine.wait_ready(300), engine.facts
     try:
-        ids = engine.template.encode(engine.template.render([{"role": "user", "content": "a shared system prompt " * 40}]))
+        ids = engine.template.encode(engine.template.render(
+            [{"role": "user", "content": "a shared system prompt " * 40}]))
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
         cold = generate(engine, [ids], params)
         cold_logits = list(recorded_logits.values())

@@ -40,7 +40,8 @@ def test_quick_benchmark_writes_every_scenario_without_errors(tiny_model_dir, tm
 def test_quick_conversations_benchmark_runs_both_scenarios_without_errors(tmp_path):
     """Run `bench/conversations.py --quick --no-peer`: every turn timed, reuse measured, both tables written."""
     subprocess.run(
-        [sys.executable, "bench/conversations.py", "--quick", "--no-peer", "--results-dir", str(tmp_path), "--name", "ci"],
+        [sys.executable, "bench/conversations.py", "--quick", "--no-peer", "--results-dir", str(tmp_path),
+         "--name", "ci"],
         cwd=REPO, check=True, timeout=900, capture_output=True,
     )
     (figures,) = json.loads((tmp_path / "ci.json").read_text())["rounds"]

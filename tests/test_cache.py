@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from service import create_app
+from service.api.chat_request import parse_chat_request
+from service.app import create_app
 from service.cache import CachedReply, cache_key
 from service.cache.entries import FlightRecord, flight_key, is_complete, lock_key, reply_key
 from service.engine import Finished, SamplingParams, TextDelta
-from service.schemas import parse_chat_request
 from support import RedisServer
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
@@ -296,7 +296,8 @@ def leave_a_dead_leaders_run(app, body, pieces: list[TextDelta], lease_seconds: 
     store = app.extensions["corechat_cache"].store
     digest = key_of(app, body)
     assert store.acquire(lock_key(digest), "dead-leader", lease_seconds)
-    for index, record in enumerate([FlightRecord("begin", "run-1"), *(FlightRecord("piece", "run-1", piece) for piece in pieces)]):
+    records = [FlightRecord("begin", "run-1"), *(FlightRecord("piece", "run-1", piece) for piece in pieces)]
+    for index, record in enumerate(records):
         assert store.append(lock_key(digest), "dead-leader", flight_key(digest), record.encode(), restart=index == 0)
 
 

@@ -60,7 +60,7 @@ def test_a_malformed_sentinel_url_is_refused_without_quoting_it(tail):
 
 
 def test_a_malformed_sentinel_url_stops_the_app_at_start_without_its_password(make_settings, engine):
-    from service import create_app
+    from service.app import create_app
 
     settings = make_settings(redis_url=f"redis+sentinel://:{quote(MASTER_PASSWORD, safe='')}@127.0.0.1:26379")
     with pytest.raises(ValueError, match="names its master") as refused:

@@ -13,6 +13,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
+
 from support import REPO, TEST_API_KEY, scrape, value
 
 STATIC_DIR = REPO / "service" / "static"
@@ -235,14 +236,16 @@ IN_BAND_ERROR = {"error": {"message": f"generation failed: RuntimeError {HOSTILE
 def scripted_sse(content_pieces: list[str], *, error: dict | None = None) -> list[bytes]:
     """Return the raw bytes of an OpenAI stream, cut into pieces at awkward places."""
     chunk = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0, "model": "scripted"}
-    events = [": ping\n\n", f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]})}\n\n"]
+    opening = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    events = [": ping\n\n", f"data: {json.dumps(opening)}\n\n"]
     for piece in content_pieces:
         events.append(f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {'content': piece}}]})}\n\n")
         events.append(": ping\r\n\r\n")
     if error:
         events.append(f"data: {json.dumps(error)}\n\n")
     else:
-        events.append(f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n")
+        ending = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        events.append(f"data: {json.dumps(ending)}\n\n")
         usage = {"prompt_tokens": 3, "completion_tokens": len(content_pieces), "total_tokens": 3 + len(content_pieces)}
         events.append(f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage})}\r\n\r\n")
     events.append("data: [DONE]\n\n")
@@ -264,7 +267,8 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
         if "/" in name or not path.is_file():
             self.send_error(404)
             return
-        content_type = {".html": "text/html", ".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}[path.suffix]
+        content_type = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
+                        ".svg": "image/svg+xml"}[path.suffix]
         body = path.read_bytes()
         self.send_response(200)
         self.send_header("Content-Type", f"{content_type}; charset=utf-8")
@@ -376,7 +380,8 @@ fetch(url, {
 """
 
 
-def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, tiny_model_dir, tmp_path):
+def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, tiny_model_dir,
+                                                                      tmp_path):
     """A real browser's preflight and cross-origin stream: 127.0.0.1:port is allowed, localhost:port is not."""
     from support import GunicornServer
 

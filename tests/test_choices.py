@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from contract import sse_payloads
+from service.api.responses import ChatCompletionChunk, CompletionChunk
 from service.engine import SamplingParams
-from service.protocol import ChatCompletionChunk, CompletionChunk
 from support import GunicornServer, wait_until
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]
@@ -80,7 +80,8 @@ def test_greedy_choices_are_all_the_same(client):
 def test_streamed_choices_carry_their_index_and_add_up_to_the_whole_ones(server, client):
     body = {"messages": USER, "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 2,
             "stream_options": {"include_usage": True}}
-    whole = contents(client.chat.completions.create(model="tiny", **{k: v for k, v in body.items() if k != "stream_options"}))
+    whole = contents(client.chat.completions.create(
+        model="tiny", **{key: value for key, value in body.items() if key != "stream_options"}))
     response = requests.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
     payloads = sse_payloads(response.text)
     assert payloads[-1] == "[DONE]"
@@ -109,7 +110,8 @@ def test_legacy_completions_take_n_whole_and_streamed_with_echo(server, client):
     assert all(text.startswith(PROMPT) for text in texts)
     assert texts[0] == PROMPT + client.completions.create(**params).choices[0].text
     body = {key: value for key, value in params.items() if key != "model"}
-    response = requests.post(f"{server.url}/v1/completions", json={**body, "n": 2, "echo": True, "stream": True}, timeout=120)
+    response = requests.post(f"{server.url}/v1/completions", json={**body, "n": 2, "echo": True, "stream": True},
+                             timeout=120)
     payloads = sse_payloads(response.text)
     streamed = ["", ""]
     for payload in payloads[:-1]:

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from contract import sse_payloads
-from service.protocol import Completion, CompletionChunk
+from service.api.responses import Completion, CompletionChunk
 from support import TEST_API_KEY, GunicornServer
 
 PROMPT = "Once upon a time, in a land of caches,"
@@ -21,7 +21,8 @@ LONG_PROMPT = " ".join(f"word{index}" for index in range(60))
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     """Run Gunicorn with one worker, so a repeated request finds its worker's cache."""
-    with GunicornServer(tmp_path_factory.mktemp("completions"), workers=1, max_model_len=1024, max_tokens_limit=2000) as server:
+    with GunicornServer(tmp_path_factory.mktemp("completions"), workers=1, max_model_len=1024,
+                        max_tokens_limit=2000) as server:
         yield server
 
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from service.engine.cores import LOAD_WINDOW_SECONDS, SLOT_BYTES, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
-from service.settings import physical_cores
+from service.engine.cores import LOAD_WINDOW_SECONDS, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
+from service.topology import physical_cores
 from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 
 CORES = 2
@@ -27,7 +27,7 @@ class Threads:
 
 
 def new_table() -> mmap.mmap:
-    """Return a table as the master makes it (service/lifecycle.py): a byte and a float64 per slot."""
+    """Return a table as the master makes it (service/process/lifecycle.py): a byte and a float64 per slot."""
     return mmap.mmap(-1, 64 * 9)
 
 

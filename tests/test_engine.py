@@ -8,8 +8,17 @@ import time
 import pytest
 import torch
 
-from service import create_app
-from service.engine import Engine, EngineOverloaded, EngineUnavailable, Failed, Finished, SamplingParams, Started, TextDelta
+from service.app import create_app
+from service.engine import (
+    Engine,
+    EngineOverloaded,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    SamplingParams,
+    Started,
+    TextDelta,
+)
 from support import file_mappings
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -63,7 +72,8 @@ def test_stop_string_from_real_generation_is_cut_and_not_shown(engine):
 
 
 def test_cancel_stops_generation_at_next_token(engine):
-    generation = engine.submit(engine.template.encode(engine.template.render(PROMPT)), SamplingParams(max_tokens=10_000, temperature=0.0))
+    generation = engine.submit(engine.template.encode(engine.template.render(PROMPT)),
+                               SamplingParams(max_tokens=10_000, temperature=0.0))
     assert isinstance(generation.next_event(timeout=30), Started)
     generation.next_event(timeout=30)
     generation.cancel()
@@ -266,12 +276,14 @@ def test_a_reply_whose_numbers_blow_up_is_an_error_over_http(make_settings, pois
     app = create_app(make_settings(model=poisoned_engine.settings.model, max_model_len=256), engine=poisoned_engine)
     client = app.test_client()
     body = {"model": "tiny", "max_tokens": 5, "temperature": 0}
-    poisoned = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": POISONED_WORD}]},
+    poisoned = client.post("/v1/chat/completions",
+                           json={**body, "messages": [{"role": "user", "content": POISONED_WORD}]},
                            headers={"Cache-Control": "no-store"})
     assert poisoned.status_code == 500
     assert poisoned.json["error"]["code"] == "internal_error"
     assert "NonFiniteLogits" in poisoned.json["error"]["message"]
-    clean = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Good morning"}]},
+    clean = client.post("/v1/chat/completions",
+                        json={**body, "messages": [{"role": "user", "content": "Good morning"}]},
                         headers={"Cache-Control": "no-store"})
     assert clean.status_code == 200 and clean.json["choices"][0]["message"]["content"]
 

@@ -42,7 +42,8 @@ def read_stream(server, body: dict) -> dict:
     """Send a streamed request and read it to its end (or READ_SECONDS); return what arrived."""
     began = time.monotonic()
     outcome = {"payloads": [], "done": False}
-    with requests.post(f"{server.url}/v1/chat/completions", json=body, headers=NO_CACHE, stream=True, timeout=30) as response:
+    with requests.post(f"{server.url}/v1/chat/completions", json=body, headers=NO_CACHE, stream=True,
+                       timeout=30) as response:
         outcome["status"] = response.status_code
         for line in response.iter_lines(decode_unicode=True):
             if line == "data: [DONE]":
@@ -76,7 +77,8 @@ def readyz(server) -> tuple[int, dict]:
 def test_a_fault_in_one_sequence_fails_it_alone_and_the_others_complete(fault_server):
     _, before = readyz(fault_server)
     with ThreadPoolExecutor(8) as pool:
-        normal = [pool.submit(read_stream, fault_server, {**ENDLESS, "max_tokens": 40, "seed": seed}) for seed in range(6)]
+        normal = [pool.submit(read_stream, fault_server, {**ENDLESS, "max_tokens": 40, "seed": seed})
+                  for seed in range(6)]
         faulty_stream = pool.submit(read_stream, fault_server, {**ENDLESS, "seed": SEQUENCE_FAULT_SEED})
         faulty_whole = pool.submit(
             requests.post, f"{fault_server.url}/v1/chat/completions",
@@ -106,21 +108,24 @@ def test_a_fault_in_the_engine_loop_ends_every_request_and_the_worker_is_replace
         faulty = pool.submit(read_stream, fault_server, {**ENDLESS, "seed": LOOP_FAULT_SEED})
 
         outcomes = [future.result() for future in running + queued + [faulty]]
-        assert all(ended_with_error(outcome) for outcome in outcomes), [outcome["payloads"][-1:] for outcome in outcomes]
+        assert all(ended_with_error(outcome) for outcome in outcomes), [
+            outcome["payloads"][-1:] for outcome in outcomes]
         assert queued_whole.result().status_code == 500
 
     fault_server.wait_ready(120)
     status, after = readyz(fault_server)
     assert status == 200 and after["worker_pid"] != before["worker_pid"]
     assert before["worker_pid"] not in fault_server.worker_pids()
-    assert "the engine loop failed: RuntimeError: injected fault in the engine loop" in fault_server.log_path.read_text()
+    log = fault_server.log_path.read_text()
+    assert "the engine loop failed: RuntimeError: injected fault in the engine loop" in log
     assert ended_normally(read_stream(fault_server, {**ENDLESS, "max_tokens": 5}))
 
 
 def test_a_model_whose_weights_are_truncated_restarts_its_workers_then_stops_the_master(tiny_model_dir, tmp_path):
     model_dir = tmp_path / "truncated"
     model_dir.mkdir()
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
         (model_dir / name).symlink_to(tiny_model_dir / name)
     weights = (tiny_model_dir / "model.safetensors").read_bytes()
     (model_dir / "model.safetensors").write_bytes(weights[: len(weights) // 2])

@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from service.devmodel import make_model_config
+from devtools.devmodel import make_model_config
 from service.engine.memory import PAGE_TOKENS, KVBudget, kv_bytes_per_token, pages_needed
 from service.settings import Settings
 from support import GunicornServer
@@ -140,6 +140,7 @@ def test_a_request_that_could_never_fit_the_budget_gets_400(small_budget_server)
     assert too_long_prompt.status_code == 400 and too_long_prompt.json()["error"]["param"] == "messages"
 
     # Without max_tokens, the reply gets what room the budget leaves, so a prompt that fits is served.
-    fits = requests.post(url, json={"messages": long_prompt(0, words=3900), "temperature": 0}, headers=NO_CACHE, timeout=120)
+    fits = requests.post(url, json={"messages": long_prompt(0, words=3900), "temperature": 0}, headers=NO_CACHE,
+                         timeout=120)
     assert fits.status_code == 200, fits.text
     assert fits.json()["usage"]["total_tokens"] <= BUDGET_TOKENS

@@ -28,7 +28,8 @@ def run_to_end(engine: Engine, prompt_ids: list[int], max_tokens: int = 12) -> t
 
 def prompt_of(engine: Engine, question: str) -> list[int]:
     """Encode a chat with the shared system prompt and one question."""
-    return engine.template.encode(engine.template.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return engine.template.encode(engine.template.render(messages))
 
 
 def started_engine(make_settings, **overrides) -> Engine:
@@ -115,7 +116,8 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
     engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=chunk)
     sent = []  # (generation, event), in the order the engine thread sends them
     original_send = Generation.send
-    monkeypatch.setattr(Generation, "send", lambda self, event: (sent.append((self, event)), original_send(self, event))[1])
+    monkeypatch.setattr(Generation, "send",
+                        lambda self, event: (sent.append((self, event)), original_send(self, event))[1])
     try:
         running = engine.submit(prompt_of(engine, QUESTIONS[0]), SamplingParams(max_tokens=100_000, temperature=0.0))
         assert isinstance(running.next_event(timeout=30), Started)
@@ -127,7 +129,8 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
         running.cancel()
         order = [(generation is running, type(event).__name__) for generation, event in list(sent)]
         long_started = order.index((False, "Started"))
-        long_first = next(index for index, item in enumerate(order) if item[0] is False and item[1] in ("TextDelta", "Finished"))
+        long_first = next(index for index, item in enumerate(order)
+                          if item[0] is False and item[1] in ("TextDelta", "Finished"))
         deltas_between = sum(1 for item in order[long_started:long_first] if item == (True, "TextDelta"))
         # One decode step after each chunk but the last; a few deltas may be held back (partial characters).
         assert deltas_between >= (chunks - 1) // 2, (chunks, deltas_between)
@@ -172,7 +175,8 @@ def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chu
 
     taken = []
     original = PromptPass.run
-    monkeypatch.setattr(PromptPass, "run", lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
+    monkeypatch.setattr(PromptPass, "run",
+                        lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
     engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=128, prefill_stall_seconds=1e-9)
     try:
         long_prompt = engine.template.encode(engine.template.render([{"role": "user", "content": SYSTEM * 3}]))

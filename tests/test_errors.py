@@ -1,6 +1,6 @@
 """Errors a client sees: one shape, and nothing of our internals in it."""
 
-from service import create_app
+from service.app import create_app
 
 SECRET = "sk-very-secret-0123456789"
 

@@ -110,7 +110,7 @@ def test_full_queue_gets_503_with_retry_after_at_once_and_accepted_requests_comp
     assert refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["code"] == "overloaded"
     assert refused.headers["X-Cache"] == "bypass"  # a reply no sampling seed makes reproducible
-    assert refusal_seconds < 2.0, refusal_seconds  # liveness bound; measured 2-3 ms median
+    assert refusal_seconds < 2.0, refusal_seconds  # a liveness bound, far above what a refusal takes
 
     assert running.read_to_end().endswith(DONE)
     assert queued.read_to_end().endswith(DONE)

@@ -18,8 +18,8 @@ from pathlib import Path
 import h11
 import pytest
 
-from service.arrival import FRAMING_BASE_BYTES, FRAMING_BODY_SHARE
-from service.nesting import MAX_JSON_DEPTH
+from service.api.nesting import MAX_JSON_DEPTH
+from service.process.arrival import FRAMING_BASE_BYTES, FRAMING_BODY_SHARE
 from service.settings import Settings
 from support import GunicornServer, wait_until
 
@@ -51,7 +51,8 @@ def post(headers: bytes, body: bytes, *, version: bytes = b"1.1", target: bytes 
 
 def chunked(*pieces: bytes, extension: bytes = b"", trailer: bytes = b"") -> bytes:
     """Frame pieces as a chunked body, each size line carrying the extension, ended by the trailer."""
-    return b"".join(b"%x%s\r\n%s\r\n" % (len(piece), extension, piece) for piece in pieces) + b"0\r\n" + trailer + b"\r\n"
+    sized = b"".join(b"%x%s\r\n%s\r\n" % (len(piece), extension, piece) for piece in pieces)
+    return sized + b"0\r\n" + trailer + b"\r\n"
 
 
 def exchange(port: int, raw: bytes, timeout: float = 30) -> bytes:
@@ -159,7 +160,8 @@ ACCEPTED = {
         b"Transfer-Encoding: chunked\r\n", chunked(b"hello", trailer=b"X-Trailer: t\r\nContent-Type: text/evil\r\n")
     ),
     "empty chunked body": post(b"Transfer-Encoding: chunked\r\n", chunked()),
-    "bare LF line ends in the head": b"POST /echo HTTP/1.1\nHost: test\nX-Case: framing\nContent-Length: 5\nConnection: close\n\nhello",
+    "bare LF line ends in the head":
+        b"POST /echo HTTP/1.1\nHost: test\nX-Case: framing\nContent-Length: 5\nConnection: close\n\nhello",
     "an empty line before the request line": b"\r\n" + post(b"Content-Length: 5\r\n", b"hello"),
     "one-byte chunks within the framing allowance": post(
         b"Transfer-Encoding: chunked\r\n", chunked(*[b"%d" % (i % 10) for i in range(FRAMING_BASE_BYTES // 6)])
@@ -168,7 +170,8 @@ ACCEPTED = {
         b"Transfer-Encoding: chunked\r\n",
         chunked(*[bytes([65 + i % 26]) * 512 for i in range(DEFAULTS.max_request_bytes // 512)]),
     ),
-    "a body of exactly the size limit": post(b"Content-Length: %d\r\n" % DEFAULTS.max_request_bytes, b"z" * DEFAULTS.max_request_bytes),
+    "a body of exactly the size limit":
+        post(b"Content-Length: %d\r\n" % DEFAULTS.max_request_bytes, b"z" * DEFAULTS.max_request_bytes),
 }
 
 
@@ -207,7 +210,8 @@ def test_pipelined_requests_after_chunked_ones_are_each_seen_as_decoded(server):
 # Framings two parsers may read differently, or that cost more than their body: refused, and nothing
 # after them on the connection is served (it could be a request smuggled past a proxy).
 REFUSED = {
-    "content-length and transfer-encoding": (post(b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n", b"0\r\n\r\n"), 400),
+    "content-length and transfer-encoding":
+        (post(b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n", b"0\r\n\r\n"), 400),
     "two different content-lengths": (post(b"Content-Length: 5\r\nContent-Length: 6\r\n", b"hello!"), 400),
     "a folded header line (obs-fold)": (post(b"Transfer-Encoding:\r\n chunked\r\n", chunked(b"hello")), 400),
     "a folded content-length": (post(b"X-Note: a\r\n Content-Length: 99\r\nContent-Length: 5\r\n", b"hello"), 400),
@@ -218,11 +222,15 @@ REFUSED = {
     "one-byte chunks at the body size limit": (
         post(b"Transfer-Encoding: chunked\r\n", chunked(*[b"x"] * DEFAULTS.max_request_bytes)), 413,
     ),
-    "a chunk extension of 60 KB": (post(b"Transfer-Encoding: chunked\r\n", chunked(b"hello", extension=b";" + b"e" * 60_000)), 413),
-    "a head over 64 KiB": (post(b"".join(b"X-Field-%d: %s\r\n" % (i, b"h" * 7000) for i in range(10)) + b"Content-Length: 0\r\n", b""), 431),
+    "a chunk extension of 60 KB":
+        (post(b"Transfer-Encoding: chunked\r\n", chunked(b"hello", extension=b";" + b"e" * 60_000)), 413),
+    "a head over 64 KiB":
+        (post(b"".join(b"X-Field-%d: %s\r\n" % (i, b"h" * 7000) for i in range(10)) + b"Content-Length: 0\r\n", b""),
+         431),
     "only empty lines, more than 64 KiB of them": (b"\r\n" * 40_000 + post(b"Content-Length: 0\r\n", b""), 400),
     "a body over the size limit, chunked": (
-        post(b"Transfer-Encoding: chunked\r\n", chunked(*[b"y" * 65536] * (DEFAULTS.max_request_bytes // 65536 + 1))), 413,
+        post(b"Transfer-Encoding: chunked\r\n", chunked(*[b"y" * 65536] * (DEFAULTS.max_request_bytes // 65536 + 1))),
+        413,
     ),
 }
 
@@ -274,7 +282,8 @@ def test_a_body_the_app_refuses_unread_costs_no_drain_and_the_connection_serves_
 
 
 def test_a_key_in_a_malformed_header_never_reaches_the_log_or_the_client(server):
-    raw = b"POST /echo HTTP/1.1\r\nHost: test\r\nAuthorization : Bearer %s\r\nContent-Length: 2\r\n\r\n{}" % SECRET.encode()
+    raw = (b"POST /echo HTTP/1.1\r\nHost: test\r\nAuthorization : Bearer %s\r\nContent-Length: 2\r\n\r\n{}"
+           % SECRET.encode())
     (reply,) = parse_replies(exchange(server.port, raw))
     assert reply.status == 400 and "illegal header line" in reply.json()["error"]["message"]
     assert SECRET.encode() not in reply.body

@@ -5,10 +5,11 @@ import math
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from contract import assert_matches_contract
-from service import create_app
+from service.app import create_app
 
 FUZZ = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -29,7 +30,8 @@ INT_EDGES = [0, 1, -1, 2, INT64, -INT64 - 1, 2**63, -(2**63) - 1, 2**64, 2**70]
 
 def float_edges(low: float, high: float) -> list[float]:
     """Return FLOAT_EDGES plus each bound of a field's range and the doubles next to it."""
-    near_bounds = [nextto for bound in (low, high) for nextto in (math.nextafter(bound, -math.inf), bound, math.nextafter(bound, math.inf))]
+    near_bounds = [nextto for bound in (low, high)
+                   for nextto in (math.nextafter(bound, -math.inf), bound, math.nextafter(bound, math.inf))]
     return FLOAT_EDGES + near_bounds
 
 
@@ -45,10 +47,11 @@ def floats_around(low: float, high: float):
 
 def integers_around(low: int, high: int):
     """Draw integers in and just outside a range, and every edge value of it."""
-    return st.one_of(st.integers(min_value=low - 3, max_value=min(high + 3, low + 50)), st.sampled_from(int_edges(low, high)))
+    return st.one_of(st.integers(min_value=low - 3, max_value=min(high + 3, low + 50)),
+                     st.sampled_from(int_edges(low, high)))
 
 
-# The range the schema accepts for each numeric field (service/schemas.py).
+# The range the schema accepts for each numeric field (service/api/chat_request.py).
 NUMERIC_FIELDS = {
     "max_tokens": (1, INT64),
     "max_completion_tokens": (1, INT64),
@@ -128,7 +131,8 @@ def post(client, data: bytes, content_type: str = "application/json"):
     """POST raw bytes to the chat endpoint and check the response against the contract."""
     response = client.post("/v1/chat/completions", data=data, content_type=content_type)
     assert response.status_code < 500, response.get_data(as_text=True)
-    assert_matches_contract("/v1/chat/completions", "post", response.status_code, response.content_type, response.get_data())
+    assert_matches_contract("/v1/chat/completions", "post", response.status_code, response.content_type,
+                            response.get_data())
     return response
 
 
@@ -161,13 +165,15 @@ def test_every_numeric_field_at_its_edges_generates_or_gets_400_naming_it(fuzz_c
 
 
 @FUZZ
-@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(lambda text: text.encode("utf-8", "surrogatepass"))))
+@given(raw=st.one_of(st.binary(max_size=200),
+                    st.text(max_size=200).map(lambda text: text.encode("utf-8", "surrogatepass"))))
 def test_arbitrary_bytes_get_no_5xx(fuzz_client, raw):
     post(fuzz_client, raw)
 
 
 @FUZZ
-@given(path=st.text(alphabet="/abcdefghijklmnopqrstuvwxyz0123456789.-_%", max_size=30), method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+@given(path=st.text(alphabet="/abcdefghijklmnopqrstuvwxyz0123456789.-_%", max_size=30),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
 def test_arbitrary_routes_and_methods_get_no_5xx(fuzz_client, path, method):
     # A leading "//" would make Flask's test client read a host name from the path.
     response = fuzz_client.open("/" + path.lstrip("/"), method=method)

@@ -20,7 +20,6 @@ from support import (
 )
 
 
-
 def test_stream_over_real_http(gunicorn_server):
     with requests.post(
         f"{gunicorn_server.url}/v1/chat/completions",
@@ -127,7 +126,7 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
 
 def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
     """Pinned to its own cores, a worker counted the cores it could still see: `workers: 1` while two ran."""
-    from service.settings import physical_cores
+    from service.topology import physical_cores
     from support import GunicornServer, scrape
 
     server = GunicornServer(tmp_path, workers=physical_cores(), pin_workers=True)
@@ -144,12 +143,15 @@ def master_only(server):
     (SIGINT). The folder is the master's business: the worker need not load the model first, nor
     the master import the workers' libraries."""
     server.env["PRELOAD_LIBRARIES"] = "false"
+    # A worker that the master's SIGQUIT reaches just after fork, before it has set its own signal
+    # handlers, never sees it: the master then kills it after GRACEFUL_TIMEOUT, and exits all the same.
+    server.env["GRACEFUL_TIMEOUT"] = "5"
     server.launch()
     try:
         assert wait_until(lambda: "Booting worker" in server.log(), 60), server.log()
         yield server
     finally:
-        from service.lifecycle import WORKER_BOOT_ERROR
+        from service.process.lifecycle import WORKER_BOOT_ERROR
 
         # A worker still importing when the master's SIGQUIT reaches it fails its boot (its exit
         # interrupts the import), and the master then halts with Gunicorn's WORKER_BOOT_ERROR
@@ -186,8 +188,8 @@ def test_master_keeps_a_chosen_metrics_folder(tmp_path):
 
 
 def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
-    """oneDNN kept a compiled primitive per prompt length (1,024 by default): +735 MB over 300 lengths,
-    about 2.4 MB each; 70 new lengths here."""
+    """oneDNN keeps a compiled primitive per prompt length (1,024 by default), each holding memory;
+    gunicorn.conf.py caps them, so 70 new lengths leave a worker's memory as it was."""
     from support import GunicornServer
 
     with GunicornServer(tmp_path, workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:

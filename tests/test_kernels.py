@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernel_misuse import CASES as MISUSE_CASES
 from service.engine import kernels
 from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8
 from service.settings import Settings
-from kernel_misuse import CASES as MISUSE_CASES
 from support import cpu_ticks_by_thread
 
 MAX_RUNNING = Settings().max_running
@@ -182,8 +182,8 @@ def extreme_rows(rows: int, inputs: int, generator: torch.Generator) -> torch.Te
     largest = torch.tensor(EXTREMES)[torch.randint(len(EXTREMES), (blocks, 1), generator=generator)]
     fractions = torch.rand(blocks, 32, generator=generator)
     kind = torch.randint(3, (blocks, 32), generator=generator)
-    values = torch.where(kind == 0, 0.0, torch.where(kind == 1, 2.0**-149 * torch.randint(1, 2**23, (blocks, 32), generator=generator),
-                                                      largest * fractions))
+    subnormals = 2.0**-149 * torch.randint(1, 2**23, (blocks, 32), generator=generator)
+    values = torch.where(kind == 0, 0.0, torch.where(kind == 1, subnormals, largest * fractions))
     values = torch.minimum(values, largest)
     values[torch.arange(blocks), torch.randint(32, (blocks,), generator=generator)] = largest[:, 0]
     signs = torch.randint(2, (blocks, 32), generator=generator) * 2 - 1
@@ -225,7 +225,8 @@ def test_activations_at_floats_low_end_give_the_references_bits_on_every_path(fm
             inputs_of_type = x.to(dtype)
             want = expected_product(fmt, inputs_of_type, weight, scales, outputs)
             got = product(fmt, inputs_of_type, weight, scales, outputs).double()
-            assert ((got - want).abs() <= (inputs_of_type.double().abs() @ dense.t()) * 3e-5 + 1e-44).all(), (rows, dtype)
+            bound = (inputs_of_type.double().abs() @ dense.t()) * 3e-5 + 1e-44
+            assert ((got - want).abs() <= bound).all(), (rows, dtype)
             for float32_output in (True, False):
                 reference = product(fmt, inputs_of_type, weight, scales, outputs, bias, float32_output)
                 for path in simd_paths():
@@ -286,7 +287,8 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="padded"):
         product(INT8, torch.randn(1, 64), weight, scales, 17)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        product(INT4, torch.randn(1, 48), torch.zeros(16, 24, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.float16), 16)
+        product(INT4, torch.randn(1, 48), torch.zeros(16, 24, dtype=torch.uint8),
+                torch.zeros(16, 1, dtype=torch.float16), 16)
     with pytest.raises(RuntimeError, match="uint8"):
         product(INT8, torch.randn(1, 64), weight.view(torch.int8), scales, 8)
 

@@ -14,7 +14,10 @@ from support import GunicornServer
 
 PARAMETERS = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -58,7 +61,8 @@ def test_a_streamed_function_call_comes_as_name_then_arguments_pieces(client):
                                            max_tokens=80, seed=5)
     chunks = list(client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
                                                  max_tokens=80, seed=5, stream=True))
-    pieces = [chunk.choices[0].delta.function_call for chunk in chunks if chunk.choices and chunk.choices[0].delta.function_call]
+    pieces = [chunk.choices[0].delta.function_call for chunk in chunks
+              if chunk.choices and chunk.choices[0].delta.function_call]
     assert pieces[0].name == "get_weather" and all(piece.name is None for piece in pieces[1:])
     assert all(chunk.choices[0].delta.tool_calls is None for chunk in chunks)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ""
@@ -69,13 +73,15 @@ def test_a_streamed_function_call_comes_as_name_then_arguments_pieces(client):
 
 
 def test_a_legacy_conversation_prompts_as_its_tools_form_does(client):
-    called = {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}
+    call = {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}
+    called = {"role": "assistant", "content": None, "function_call": call}
     legacy = client.chat.completions.create(
         model="tiny", messages=[*ASK, called, {"role": "function", "name": "get_weather", "content": "sunny"}],
         functions=FUNCTIONS, max_tokens=2, seed=1)
     tools = client.chat.completions.create(
         model="tiny", tools=TOOLS, max_tokens=2, seed=1, messages=[
-            *ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": called["function_call"]}]},
+            *ASK, {"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "call_1", "type": "function", "function": call}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     assert legacy.usage.prompt_tokens == tools.usage.prompt_tokens
     assert legacy.choices[0].message.content == tools.choices[0].message.content
@@ -100,7 +106,8 @@ def test_the_legacy_and_the_tools_form_share_a_cache_entry_each_answered_in_its_
     assert (legacy.headers["X-Cache"], tools.headers["X-Cache"]) == ("miss", "hit")
     legacy_message, tools_message = legacy.json()["choices"][0]["message"], tools.json()["choices"][0]["message"]
     assert set(legacy_message) == {"role", "content", "function_call"}
-    assert legacy_message["function_call"] == {key: tools_message["tool_calls"][0]["function"][key] for key in ("name", "arguments")}
+    called = tools_message["tool_calls"][0]["function"]
+    assert legacy_message["function_call"] == {key: called[key] for key in ("name", "arguments")}
 
 
 @pytest.mark.parametrize(
@@ -122,6 +129,7 @@ def test_the_legacy_and_the_tools_form_share_a_cache_entry_each_answered_in_its_
     ],
 )
 def test_a_bad_legacy_field_is_a_400_naming_it(server, body, param):
-    response = requests.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body}, timeout=60)
+    response = requests.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body},
+                             timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param

@@ -15,7 +15,7 @@ from support import REPO, file_mappings, free_port
 
 
 def test_missing_folder_names_the_fix(tmp_path):
-    with pytest.raises(ModelNotFound, match="service.devmodel"):
+    with pytest.raises(ModelNotFound, match="devtools.devmodel"):
         resolve_model_dir(str(tmp_path / "nothing-here"))
 
 
@@ -87,26 +87,28 @@ def test_gunicorn_stops_with_the_reason_when_the_model_is_missing(tmp_path):
         timeout=120,
     )
     assert result.returncode != 0
-    assert "service.devmodel" in result.stdout + result.stderr
+    assert "devtools.devmodel" in result.stdout + result.stderr
     assert time.monotonic() - began < 60
 
 
 def test_tokenizer_without_its_python_vocabulary_tokenizes_and_templates_the_same(tiny_model_dir):
-    """Dropping the ~70 MB Python vocabulary and merges changes nothing the engine uses."""
+    """Dropping the tokenizer's Python copy of the vocabulary and merges changes nothing the engine uses."""
     from transformers import AutoTokenizer
 
     from service.engine.loading import load_tokenizer
 
     trimmed, full = load_tokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     assert not trimmed._vocab and not trimmed._merges and len(full._vocab) > 150_000
-    texts = ["Hello, world!", "naïve café — 東京 🚀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ", "x" * 500]
+    texts = ["Hello, world!", "naïve café — 東京 🚀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ",
+             "x" * 500]
     for text in texts:
         ids = trimmed(text, add_special_tokens=False)["input_ids"]
         assert ids == full(text, add_special_tokens=False)["input_ids"]
         assert trimmed.decode(ids) == full.decode(ids) == text
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[1]}]
-    assert trimmed.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == full.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+    rendered = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                for tokenizer in (trimmed, full)]
+    assert rendered[0] == rendered[1]
     assert trimmed.get_vocab() == full.get_vocab()
     assert (trimmed.eos_token_id, len(trimmed)) == (full.eos_token_id, len(full))
 
@@ -153,7 +155,8 @@ def test_models_differing_in_one_byte_have_different_fingerprints(tiny_model_dir
     unsampled = 8 * 1024 * 1024 + 64 * 1024 + 12345
     assert size > unsampled + 1
     flip_byte(tuned / "model.safetensors", unsampled)
-    assert model_fingerprint(base, tokenizer, tmp_path / "hashes") != model_fingerprint(tuned, tokenizer, tmp_path / "hashes")
+    hashes = tmp_path / "hashes"
+    assert model_fingerprint(base, tokenizer, hashes) != model_fingerprint(tuned, tokenizer, hashes)
 
 
 def test_a_weight_files_hash_is_kept_until_the_file_changes(tiny_model_dir, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from service.devmodel import build_dev_model
+from devtools.devmodel import build_dev_model
 from service.engine.memory import PAGE_TOKENS
 from service.settings import Settings
 from support import GunicornServer, ready_facts
@@ -97,7 +97,8 @@ def test_long_prompts_beyond_the_kv_budget_wait_and_a_workers_memory_stays_withi
         facts = ready_facts(server)
         page_bytes = PAGE_TOKENS * next(iter(facts.values()))["kv_bytes_per_token"]
         at_ready = {pid: status(pid) for pid in pids}
-        document = "Report. " + " ".join(f"line{index % 97} holds figure {index}." for index in range(DOCUMENT_WORDS // 4))
+        lines = (f"line{index % 97} holds figure {index}." for index in range(DOCUMENT_WORDS // 4))
+        document = "Report. " + " ".join(lines)
         first = ask(server, document + " Summarise.", max_tokens=4, temperature=0)
         assert first.status_code == 200, first.text
         prompt_tokens = first.json()["usage"]["prompt_tokens"]

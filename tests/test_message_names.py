@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 
-from service.schemas import ChatMessage
+from service.api.chat_request import ChatMessage
 from support import GunicornServer
 
 # Qwen2.5's user turn, with the speaker's name after the role when the message has one.
@@ -28,7 +28,8 @@ def test_the_template_gets_the_name_and_only_when_given():
 
 
 def test_a_template_that_ignores_names_sees_the_same_prompt(client):
-    counted = [client.post("/tokenize", json={"messages": said_by(name)}).get_json()["tokens"] for name in (None, "alice")]
+    counted = [client.post("/tokenize", json={"messages": said_by(name)}).get_json()["tokens"]
+               for name in (None, "alice")]
     assert counted[0] == counted[1]
 
 

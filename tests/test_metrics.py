@@ -4,8 +4,8 @@ the request wrapper checked in this process (where /metrics serves the process's
 import os
 import random
 import signal
-import string
 import statistics
+import string
 import time
 from pathlib import Path
 
@@ -14,13 +14,21 @@ import requests
 from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from support import COUNTING, chat, parse_samples, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
-
-from service import metrics
 from service.cache import Flight
 from service.cache.entries import CachedReply
 from service.engine import Finished, SamplingParams, TextDelta
-from service.observed import EngineWork, ObservedGeneration
+from service.observability import metrics
+from service.observability.observed import EngineWork, ObservedGeneration
+from support import (
+    COUNTING,
+    chat,
+    parse_samples,
+    ready_facts,
+    scrape,
+    send_until_every_worker_served,
+    value,
+    wait_for_samples,
+)
 
 STREAMS = 4
 
@@ -336,7 +344,7 @@ def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, 
     """The `first token timings` line of a real streamed request: its parts, none negative, add up."""
     from bench.first_token import parse_timings
 
-    with caplog.at_level("DEBUG", logger="service.observed"):
+    with caplog.at_level("DEBUG", logger="service.observability.observed"):
         response = client.post("/v1/chat/completions", json={"messages": COUNTING, "max_tokens": 3, "stream": True},
                                headers={"Cache-Control": "no-cache"})
         assert response.status_code == 200

@@ -64,7 +64,8 @@ def test_a_reply_echoes_the_name_the_client_sent_whole_and_streamed(client, name
     assert whole.model == name
     chunks = list(client.chat.completions.create(model=name, messages=USER, max_tokens=3, temperature=0, stream=True))
     assert {chunk.model for chunk in chunks} == {name}
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == whole.choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert streamed == whole.choices[0].message.content
 
 
 def test_a_request_without_a_model_gets_the_first_alias(hub_server):
@@ -81,7 +82,8 @@ def test_a_cached_reply_carries_the_name_its_own_request_sent(hub_server):
     assert first.json()["choices"] == again.json()["choices"]
 
 
-@pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct", "tiny-chat", "corechat-test/tiny-chat/", "DEMO-QWEN2.5-0.5B"])
+@pytest.mark.parametrize("name",
+                         ["Qwen2.5-0.5B-Instruct", "tiny-chat", "corechat-test/tiny-chat/", "DEMO-QWEN2.5-0.5B"])
 def test_any_other_name_is_a_404_model_not_found_listing_the_accepted_names(client, name):
     with pytest.raises(openai.NotFoundError) as raised:
         client.chat.completions.create(model=name, messages=USER, max_tokens=2)

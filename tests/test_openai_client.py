@@ -2,6 +2,7 @@
 
 import openai
 import pytest
+
 from support import TEST_API_KEY
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]

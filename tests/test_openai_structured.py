@@ -25,8 +25,10 @@ WEATHER_PARAMETERS = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": WEATHER_PARAMETERS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                      "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Objects, arrays, enums, numbers and strings (whose escapes a random model produces plenty of),
@@ -41,7 +43,10 @@ NESTED_SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
         "author": {
             "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 10}, "born": {"type": "integer", "minimum": 1900, "maximum": 2020}},
+            "properties": {
+                "name": {"type": "string", "maxLength": 10},
+                "born": {"type": "integer", "minimum": 1900, "maximum": 2020},
+            },
             "required": ["name", "born"],
             "additionalProperties": False,
         },
@@ -50,7 +55,10 @@ NESTED_SCHEMA = {
             "maxItems": 2,
             "items": {
                 "type": "object",
-                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "label": {"enum": ["a", "b\"q", "c\\d"]}},
+                "properties": {
+                    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "label": {"enum": ["a", "b\"q", "c\\d"]},
+                },
                 "required": ["n", "label"],
                 "additionalProperties": False,
             },
@@ -84,7 +92,8 @@ def answer_calls(tool_calls) -> list[dict]:
                  "tool_calls": [{"id": call.id, "type": "function",
                                  "function": {"name": call.function.name, "arguments": call.function.arguments}}
                                 for call in tool_calls]}
-    return [assistant, *({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"} for call in tool_calls)]
+    answers = [{"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"} for call in tool_calls]
+    return [assistant, *answers]
 
 
 def test_a_named_tool_choice_makes_a_whole_call_and_the_round_trip_completes(client):
@@ -113,7 +122,8 @@ def test_tool_choice_required_streams_calls_as_id_and_name_then_arguments(client
     calls = {}
     for delta in deltas:
         if delta.id is not None:
-            calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": delta.function.arguments or ""}
+            calls[delta.index] = {"id": delta.id, "name": delta.function.name,
+                                  "arguments": delta.function.arguments or ""}
         else:
             assert delta.function.name is None
             calls[delta.index]["arguments"] += delta.function.arguments
@@ -155,7 +165,8 @@ def test_logprobs_are_typed_and_come_from_the_distribution_sampled(client):
     for entry in entries:
         assert isinstance(entry, openai.types.chat.ChatCompletionTokenLogprob)
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
-        assert [alt.logprob for alt in entry.top_logprobs] == sorted((alt.logprob for alt in entry.top_logprobs), reverse=True)
+        alternatives = [alt.logprob for alt in entry.top_logprobs]
+        assert alternatives == sorted(alternatives, reverse=True)
         # Greedy takes the most likely token of the distribution the logprobs describe.
         assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
         assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token

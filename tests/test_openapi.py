@@ -10,7 +10,7 @@ import requests
 from jsonschema import Draft202012Validator
 
 from contract import assert_matches_contract, schema_validator
-from service import create_app
+from service.app import create_app
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 FORCED_CALL = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -52,7 +52,8 @@ def test_document_lists_exactly_the_routes_and_methods_the_app_serves(make_setti
         path = openapi_path(rule.rule)
         served |= {(path, method.lower()) for method in rule.methods - IMPLICIT_METHODS}
         parameters[path] = set(rule.arguments)
-    documented = {(path, method) for path, item in document["paths"].items() for method in item if method != "parameters"}
+    documented = {(path, method) for path, item in document["paths"].items()
+                  for method in item if method != "parameters"}
     assert served == documented
     for path, item in document["paths"].items():
         assert {parameter["name"] for parameter in item.get("parameters", [])} == parameters[path], path
@@ -67,7 +68,8 @@ def test_document_lists_exactly_the_routes_and_methods_the_app_serves(make_setti
          {"messages": USER, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}, 200),
         ("post", "/v1/chat/completions", None, {"messages": USER, **FORCED_CALL}, 200),
         ("post", "/v1/chat/completions", None, {"messages": USER, **FORCED_CALL, "stream": True}, 200),
-        ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}, 200),
+        ("post", "/v1/chat/completions", None,
+         {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}, 200),
         ("post", "/v1/chat/completions", None,
          {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "stream": True}, 200),
         ("post", "/v1/chat/completions", None, {"messages": USER, **LEGACY_CALL}, 200),
@@ -81,7 +83,8 @@ def test_document_lists_exactly_the_routes_and_methods_the_app_serves(make_setti
         ("post", "/v1/completions", None, {"prompt": [9707, 1879], "max_tokens": 3, "logprobs": 2, "echo": True}, 200),
         ("post", "/v1/completions", None, {"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1}, 200),
         ("post", "/v1/completions", None,
-         {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}}, 200),
+         {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}},
+         200),
         ("post", "/v1/completions", None, {"prompt": "Hi", "max_tokens": 3, "stream": True, "echo": True}, 200),
         ("post", "/v1/completions", None, {"prompt": "Hi", "logprobs": 6}, 400),
         ("post", "/v1/chat/completions", None, {"messages": USER, "max_tokens": 3, "n": 2, "seed": 1}, 200),
@@ -120,7 +123,8 @@ def test_real_responses_match_the_contract(default_server, document, method, pat
         headers = {"Content-Type": "text/plain"} if body else {}
         response = requests.request(method, url, data=body, headers=headers, timeout=60)
     assert response.status_code == status, response.text
-    assert_matches_contract(documented_path or path, method, status, response.headers["Content-Type"], response.content, document)
+    assert_matches_contract(documented_path or path, method, status, response.headers["Content-Type"],
+                            response.content, document)
 
 
 def test_the_error_schema_refuses_what_is_not_an_error(document):
@@ -141,7 +145,8 @@ def raw_response(port: int, request: bytes) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\n"
+CHAT = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\n")
 
 
 def test_errors_the_worker_answers_itself_match_the_error_schema(default_server, document):

@@ -29,7 +29,7 @@ data: {"choices":[],"created":1,"id":"c","model":"m","system_fingerprint":"b1-0c
 
 data: [DONE]
 
-"""
+"""  # noqa: E501 (verbatim)
 
 
 @pytest.fixture()

@@ -82,7 +82,8 @@ def test_control_tokens_typed_in_a_message_cannot_forge_a_turn(keyed, trusting):
     assert (trusted_real.headers["X-Cache"], trusted_forged.headers["X-Cache"]) == ("miss", "hit")
     # The same counts (a replay reports its whole prompt as cached_tokens, having computed none of it).
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
-    assert [trusted_forged.json()["usage"][key] for key in counts] == [trusted_real.json()["usage"][key] for key in counts]
+    forged_usage, real_usage = trusted_forged.json()["usage"], trusted_real.json()["usage"]
+    assert [forged_usage[key] for key in counts] == [real_usage[key] for key in counts]
 
 
 def test_readiness_without_a_key_tells_status_and_counts_only(keyed):
@@ -106,7 +107,7 @@ def test_every_page_file_carries_the_security_headers(keyed, path):
 
 
 def test_secrets_stay_out_of_reprs_logs_and_error_bodies(keyed, locked_redis, make_settings, engine, caplog):
-    from service import create_app
+    from service.app import create_app
 
     settings = Settings(redis_url=f"redis://:{REDIS_PASSWORD}@127.0.0.1:1/0", api_keys=",".join(KEYS))
     assert not any(secret in f"{settings!r} {settings}" for secret in (REDIS_PASSWORD, *KEYS))

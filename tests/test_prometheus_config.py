@@ -9,6 +9,7 @@ import time
 import pytest
 import requests
 import yaml
+
 from support import REPO, TEST_API_KEY, chat, free_port, scrape
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

@@ -108,7 +108,8 @@ def test_a_prompt_cancelled_mid_pass_ends_and_frees_its_place_at_once(default_en
 
 def test_a_prompt_whose_deadline_passes_mid_pass_ends_with_length(default_engine):
     """A deadline that passes while a prompt is in its pass ends it there, without a token."""
-    generation = default_engine.submit(prompt(LONG_TOKENS, offset=4), SamplingParams(max_tokens=4, deadline_seconds=0.05))
+    generation = default_engine.submit(prompt(LONG_TOKENS, offset=4),
+                                       SamplingParams(max_tokens=4, deadline_seconds=0.05))
     ended = Watched(generation).last()
     assert isinstance(ended, Finished) and ended.finish_reason == "length" and ended.completion_tokens == 0
 

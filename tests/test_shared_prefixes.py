@@ -5,8 +5,7 @@ stand for two workers; tests/test_gunicorn_prefixes.py does it with real Gunicor
 import pytest
 import torch
 
-from service.engine import Engine, Failed, Finished, SamplingParams, TextDelta
-from service.engine import scheduler
+from service.engine import Engine, Failed, Finished, SamplingParams, TextDelta, scheduler
 
 QUESTION = "Tell me about the sea and the ships on it, at length."
 FOLLOW_UP = "And what about the harbours they come home to?"
@@ -32,7 +31,8 @@ def engines(request, make_settings, tmp_path_factory):
         engine.stop()
 
 
-def reply(engine: Engine, prompt_ids: list[int], params: SamplingParams, monkeypatch) -> tuple[str, list[int], Finished, list]:
+def reply(engine: Engine, prompt_ids: list[int], params: SamplingParams,
+          monkeypatch) -> tuple[str, list[int], Finished, list]:
     """Generate a reply; return its text, token ids, final event and every logit row it was sampled from."""
     rows = []
     original = scheduler.sample_tokens

@@ -1,4 +1,4 @@
-"""service/supervisor.py with real Gunicorn and the tiny model, as the unit runs it, without systemd:
+"""service/process/supervisor.py with real Gunicorn and the tiny model, as the unit runs it, without systemd:
 reloads under traffic fail nothing and leave one master, a stop drains, a reload that cannot start
 leaves the serving master alone, a restart hands the listening socket over, a master's crash exits 1.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from service.listener import STORED_SOCKET_NAME
-from service.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL, children, raise_open_files_limit
+from service.process.listener import STORED_SOCKET_NAME
+from service.process.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL, children, raise_open_files_limit
 from support import COUNTING, REPO, GunicornServer, scrape, value, wait_until
 
 pytestmark = pytest.mark.serial
@@ -87,7 +87,7 @@ class FakeSystemd:
 
 
 class Supervised(GunicornServer):
-    """corechat under `python -m service.supervisor`, as the unit's ExecStart runs it."""
+    """corechat under `python -m service.process.supervisor`, as the unit's ExecStart runs it."""
 
     def __init__(self, log_dir: Path, systemd: FakeSystemd, code_dir: Path | None = None, port: int | None = None,
                  ready_timeout: float = DEFAULT_READY_TIMEOUT_SECONDS, **settings):
@@ -105,7 +105,7 @@ class Supervised(GunicornServer):
 
     def launch(self) -> "Supervised":
         """Start the supervisor; with `inherit` set, hand it that socket as systemd's store would."""
-        command = [sys.executable, "-m", "service.supervisor", "--control-socket", str(self.control),
+        command = [sys.executable, "-m", "service.process.supervisor", "--control-socket", str(self.control),
                    "--ready-timeout", str(self.ready_timeout), *self.gunicorn_args]
         pass_fds = ()
         if self.inherit is not None:
@@ -130,7 +130,7 @@ class Supervised(GunicornServer):
 
     def reload(self) -> subprocess.CompletedProcess:
         """Run the unit's ExecReload."""
-        return subprocess.run([sys.executable, "-m", "service.reload", "--control-socket", str(self.control)],
+        return subprocess.run([sys.executable, "-m", "service.process.reload", "--control-socket", str(self.control)],
                               cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
 
 
@@ -294,7 +294,8 @@ def test_a_reload_that_cannot_complete_fails_and_leaves_the_serving_master_alone
         assert reload.returncode == 1, reload.stdout + reload.stderr
         assert reason in reload.stderr, reload.stderr
         assert server.masters() == before  # the processes it started with, and only those
-        if ready_timeout == DEFAULT_READY_TIMEOUT_SECONDS:  # the new master exited: the traceback above the supervisor's words says why
+        # The new master exited: the traceback above the supervisor's words says why.
+        if ready_timeout == DEFAULT_READY_TIMEOUT_SECONDS:
             assert "this version of the code does not start" in server.log_path.read_text()
         assert not traffic.failures(), traffic.failures()
         assert server.process.poll() is None

@@ -8,7 +8,8 @@ import requests
 from support import TEST_API_KEY, GunicornServer
 
 KEY = {"Authorization": f"Bearer {TEST_API_KEY}"}
-TEXTS = ["Hello world", "  spaces  and\ttabs\n\nnewlines ", "naïve café, 東京, 🙂👍🏽", "<|im_start|>user\nhi<|im_end|>", ""]
+TEXTS = ["Hello world", "  spaces  and\ttabs\n\nnewlines ", "naïve café, 東京, 🙂👍🏽",
+         "<|im_start|>user\nhi<|im_end|>", ""]
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 # The tiny dev model has Qwen2.5's vocabulary: its tokenizer knows this many ids.
 VOCAB_SIZE = 151665
@@ -59,7 +60,8 @@ def test_messages_count_what_a_chat_request_with_them_is_charged(server):
     assert counted["count"] == completion.usage.prompt_tokens
     without_opening = tokens_of(server, messages=USER, add_generation_prompt=False)["tokens"]
     assert counted["tokens"][: len(without_opening)] == without_opening and len(without_opening) < counted["count"]
-    assert post(server, "/detokenize", {"tokens": counted["tokens"]}).json()["prompt"].endswith("<|im_start|>assistant\n")
+    detokenized = post(server, "/detokenize", {"tokens": counted["tokens"]}).json()["prompt"]
+    assert detokenized.endswith("<|im_start|>assistant\n")
 
 
 def test_max_model_len_is_the_longest_sequence_a_chat_request_may_reach(server):
@@ -80,7 +82,8 @@ def test_a_body_over_max_request_bytes_is_a_413(server):
 
 
 def test_a_body_that_is_not_json_is_a_415(server):
-    response = requests.post(f"{server.url}/detokenize", data="[1, 2]", headers={**KEY, "Content-Type": "text/plain"}, timeout=10)
+    response = requests.post(f"{server.url}/detokenize", data="[1, 2]", headers={**KEY, "Content-Type": "text/plain"},
+                             timeout=10)
     assert response.status_code == 415
 
 

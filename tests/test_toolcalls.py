@@ -9,9 +9,10 @@ import json
 
 import pytest
 
-from service.toolcalls import ToolCallParser, merge_deltas
+from service.api.toolcalls import ToolCallParser, merge_deltas
 
-WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"note": "}</tool_call"}]}}\n</tool_call>'
+WEATHER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"note": "}</tool_call"}]}}'
+           '\n</tool_call>')
 
 
 def parse_in_pieces(text: str, cuts: list[int]) -> tuple[str, list[dict], list[dict]]:
@@ -44,7 +45,8 @@ def every_two_cuts(text: str):
          "Let me check.", [("a", "{}"), ("b", '{"q": "<b>\\"x\\""}')]),
         # Arguments before the name cannot stream; the call still comes out whole.
         ('<tool_call>\n{"arguments": {"x": 1}, "name": "late"}\n</tool_call>', "", [("late", '{"x": 1}')]),
-        ("<tool_call>\nnot json\n</tool_call> said the model", "<tool_call>\nnot json\n</tool_call> said the model", []),
+        ("<tool_call>\nnot json\n</tool_call> said the model", "<tool_call>\nnot json\n</tool_call> said the model",
+         []),
         ("a < b and <tool", "a < b and <tool", []),
     ],
 )
@@ -77,6 +79,6 @@ def test_a_call_cut_by_max_tokens_keeps_its_partial_arguments():
 
 
 def test_each_call_gets_its_own_id():
-    text = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
+    text = "\n".join(['<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'] * 2)
     _, _, merged = parse_in_pieces(text, [])
     assert len({call["id"] for call in merged}) == 2

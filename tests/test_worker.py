@@ -1,4 +1,4 @@
-"""The HTTP front of a worker (service/worker.py) under real Gunicorn with its default settings:
+"""The HTTP front of a worker (service/process/worker.py) under real Gunicorn with its default settings:
 requests are read whole in the event loop before a thread takes them, errors Gunicorn and the
 worker raise are OpenAI-shaped, and a half-closed client is not a gone one.
 """
@@ -23,7 +23,8 @@ STALLS = {
     "headers never ended": CHAT,
     "12 of 1000 body bytes": CHAT + b"Content-Length: 1000\r\n\r\n" + b'{"messages":',
     "Expect: 100-continue, then no body": CHAT + b"Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n",
-    "chunked body without its last chunk": CHAT + b"Transfer-Encoding: chunked\r\n\r\nc\r\n" + b'{"messages":' + b"\r\n",
+    "chunked body without its last chunk":
+        CHAT + b"Transfer-Encoding: chunked\r\n\r\nc\r\n" + b'{"messages":' + b"\r\n",
 }
 STALLED_PER_KIND = 20  # more than any worker's request threads once spread over 2 workers
 PROBES = ("/healthz", "/readyz", "/metrics")
@@ -49,7 +50,8 @@ def test_stalled_clients_hold_no_thread_and_get_408_after_the_arrival_limit(defa
     stalled = {kind: [raw_exchange(raw) for _ in range(STALLED_PER_KIND)] for kind, raw in STALLS.items()}
     probes = probe_exchanges(PROBES, every=0.05, during=3.0, start_after=0.5)
     began = time.monotonic()
-    run_exchanges(default_server.port, [*sum(stalled.values(), []), *probes], timeout=DEFAULTS.request_arrival_seconds + 10)
+    run_exchanges(default_server.port, [*sum(stalled.values(), []), *probes],
+                  timeout=DEFAULTS.request_arrival_seconds + 10)
 
     assert all(probe.status == 200 for probe in probes), [(probe.status, probe.error) for probe in probes]
     for target in PROBES:
@@ -60,7 +62,8 @@ def test_stalled_clients_hold_no_thread_and_get_408_after_the_arrival_limit(defa
             error = assert_openai_error(exchange, 408, "request_timeout")
             assert f"{DEFAULTS.request_arrival_seconds:g} seconds" in error["message"]
             # Answered after the limit, not long after it (the event loop checks once a second).
-            assert DEFAULTS.request_arrival_seconds <= exchange.status_at - began <= DEFAULTS.request_arrival_seconds + 5
+            limit = DEFAULTS.request_arrival_seconds
+            assert limit <= exchange.status_at - began <= limit + 5
         expected = [100] if "Expect" in kind else []
         assert {tuple(exchange.informational) for exchange in exchanges} == {tuple(expected)}, kind
 
@@ -158,7 +161,8 @@ def answered_at_once(port: int) -> tuple[int, int]:
     refused."""
     body = json.dumps({"messages": COUNTING, "max_tokens": 2, "stream": True}).encode()
     statuses = []
-    for raw in (CHAT + b"Content-Length: %d\r\n\r\n%s" % (len(body), body), b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"):
+    stream = CHAT + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    for raw in (stream, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(raw)
             statuses.append(int(sock.recv(12).split()[1]))
@@ -178,8 +182,8 @@ def test_clients_that_never_read_lose_their_places_at_the_send_deadline(default_
         running = 2 * DEFAULTS.max_running
         cut = wait_for_samples(
             default_server,
-            lambda samples: value(samples, "corechat_send_timeouts_total") - value(before, "corechat_send_timeouts_total")
-            >= running,
+            lambda samples: (value(samples, "corechat_send_timeouts_total")
+                             - value(before, "corechat_send_timeouts_total")) >= running,
             timeout=DEFAULTS.send_timeout_seconds + 60,
         )
         cancelled = value(cut, "corechat_requests_total", outcome="cancelled") - value(

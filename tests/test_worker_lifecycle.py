@@ -18,7 +18,8 @@ from support import COUNTING, GunicornServer, StreamingClient, cpu_ticks_by_thre
 LONG_STREAM = {"messages": COUNTING, "max_tokens": Settings.model_construct().max_tokens_limit, "stream": True}
 
 
-@pytest.mark.parametrize("option", ["--proxy-protocol=v1", "--casefold-http-method", "--permit-unconventional-http-method"])
+@pytest.mark.parametrize("option",
+                         ["--proxy-protocol=v1", "--casefold-http-method", "--permit-unconventional-http-method"])
 def test_gunicorn_settings_the_worker_cannot_honour_stop_it_at_start_with_the_reason(tmp_path, option):
     server = GunicornServer(tmp_path, workers=1)
     server.env["GUNICORN_CMD_ARGS"] = option

@@ -106,7 +106,8 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run a host command, failing loudly with its output."""
     result = subprocess.run(command, capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}{result.stderr[-4000:]}")
+        output = result.stdout[-4000:] + result.stderr[-4000:]
+        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{output}")
     return result
 
 
@@ -126,8 +127,8 @@ class Machine:
         """Mount the overlay, boot systemd in it and wait until it has started its units."""
         for folder in ("upper", "overlay-work", "root"):
             (self.work / folder).mkdir(parents=True, exist_ok=True)
-        run(["mount", "-t", "overlay", "overlay", "-o",
-             f"lowerdir={self.base},upperdir={self.work / 'upper'},workdir={self.work / 'overlay-work'}", str(self.root)])
+        layers = f"lowerdir={self.base},upperdir={self.work / 'upper'},workdir={self.work / 'overlay-work'}"
+        run(["mount", "-t", "overlay", "overlay", "-o", layers, str(self.root)])
         binds = [f"--bind-ro={source}:{target}" for source, target in self.binds.items()]
         self.console = (self.work / "console.log").open("wb")
         self.process = subprocess.Popen(
@@ -153,7 +154,8 @@ class Machine:
 
     def _find_leader(self) -> int:
         """Return the pid of the container's PID 1 (systemd, a child of systemd-nspawn), or 0."""
-        for pid in subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split():
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        for pid in children.split():
             if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
                 return int(pid)
         return 0

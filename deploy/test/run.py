@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from container import REPO, Machine, base_system, log, wheelhouse
+from container import REPO, Machine, base_system, wheelhouse
 
 SOURCE_IN_MACHINE = "/usr/local/src/corechat"
 WHEELS_IN_MACHINE = "/srv/wheels"
@@ -40,7 +40,8 @@ BROKEN_LINE = 'raise RuntimeError("deploy test: this version of the code does no
 PROCESSES = r"""
 import json, subprocess
 def show(name):
-    return subprocess.run(["systemctl", "show", "-p", name, "--value", "corechat"], capture_output=True, text=True).stdout.strip()
+    command = ["systemctl", "show", "-p", name, "--value", "corechat"]
+    return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 def children(pid):
     try:
         return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
@@ -79,9 +80,9 @@ class Traffic:
         self.machine.path(TRAFFIC_DIR).mkdir(parents=True, exist_ok=True)
         arguments = [f"--via {name}={address}" for name, address in self.via.items()]
         arguments += [f"--clients {kind}={count}" for kind, count in self.clients.items()]
+        traffic = f"{SOURCE_IN_MACHINE}/deploy/test/traffic.py"
         self.process = self.machine.run(
-            f"exec python3 {SOURCE_IN_MACHINE}/deploy/test/traffic.py {self.out} {self.stop_file} {' '.join(arguments)}",
-            background=True,
+            f"exec python3 {traffic} {self.out} {self.stop_file} {' '.join(arguments)}", background=True
         )
         return self
 
@@ -155,13 +156,15 @@ def one_master(tree: dict, workers: int) -> tuple[bool, str]:
     """Tell whether the unit runs exactly the supervisor, one master and its workers, and describe it."""
     masters = tree["masters"]
     everyone = {tree["main"], *map(int, masters), *(pid for pids in masters.values() for pid in pids)}
-    held = len(masters) == 1 and all(len(pids) == workers for pids in masters.values()) and set(tree["unit"]) == everyone
+    held = (len(masters) == 1 and all(len(pids) == workers for pids in masters.values())
+            and set(tree["unit"]) == everyone)
     shape = ", ".join(f"master {master} with {len(pids)} workers" for master, pids in masters.items())
     return held, f"MainPID {tree['main']}: {shape or 'no master'}; {len(tree['unit'])} processes in the unit"
 
 
 def check_install(deployment: Deployment, began: float) -> list[Row]:
-    """The documented install starts the unit, which is active only once it serves, and warns of a capped LimitNOFILE."""
+    """The documented install starts the unit, which is active only once it serves, and warns of a capped
+    LimitNOFILE."""
     ready_at_once = deployment.readyz()
     state = deployment.show("ActiveState", "MainPID")
     limits = deployment.machine.run(f"grep 'Max open files' /proc/{state['MainPID']}/limits").stdout.split()
@@ -205,7 +208,8 @@ def check_reload(deployment: Deployment, number: int, workers: int, first_main: 
                f"in the {WARM_SECONDS - 1:.0f} s before); after: {shape}"
                f"{'' if after['main'] == first_main else ' (MainPID CHANGED)'}"
                f"{'' if not new_workers & old_workers else ' (old workers remain)'}"
-               + (f"; {failures[0]}" if failures else "") + (f"; {result.stderr.strip()[-300:]}" if result.returncode else ""))
+               + (f"; {failures[0]}" if failures else "")
+               + (f"; {result.stderr.strip()[-300:]}" if result.returncode else ""))
 
 
 def check_failed_reload(deployment: Deployment) -> Row:
@@ -305,7 +309,8 @@ def check_restart(deployment: Deployment, workers: int) -> Row:
     held = result.returncode == 0 and not failures and _shape_held
     return Row("restart under traffic", held,
                f"job {'ok' if result.returncode == 0 else 'FAILED'} in {took:.1f} s; {len(results)} requests, "
-               f"{len(refused)} refused, {len(failures)} failed; longest wait for an answer {max(waits, default=0):.1f} s; "
+               f"{len(refused)} refused, {len(failures)} failed; "
+               f"longest wait for an answer {max(waits, default=0):.1f} s; "
                f"after: {shape}" + (f"; {failures[0]}" if failures else ""))
 
 
@@ -339,7 +344,9 @@ def checks(machine: Machine) -> list[Row]:
 def table(rows: list[Row], header: str) -> str:
     """Render the rows as a markdown table under a header."""
     lines = [header, "", "| Check | Held | Measured |", "|---|---|---|"]
-    lines += [f"| {row.check} | {'yes' if row.held else '**NO**'} | {' '.join(row.measured.replace('|', '/').split())} |" for row in rows]
+    for row in rows:
+        measured = " ".join(row.measured.replace("|", "/").split())
+        lines.append(f"| {row.check} | {'yes' if row.held else '**NO**'} | {measured} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,20 +12,24 @@ import math
 import threading
 import time
 
-from flask import request
+from flask import Flask, current_app, request
 
-from .. import metrics
 from ..engine import EventSource
-from ..request_record import current_record
+from ..observability import metrics
+from ..observability.request_record import CacheStatus, current_record
+from ..settings import Settings
 from .entries import CachedReply, cache_key, is_reproducible
 from .flights import Flight, FlightReader
 from .runs import Run
 from .stores import LocalStore, RedisStore
 
-__all__ = ["CachedReply", "Flight", "FlightReader", "ResponseCache", "cache_key", "init_app", "no_cache_requested"]
+__all__ = ["CachedReply", "Flight", "FlightReader", "ResponseCache", "cache_key", "current_cache", "init_app",
+           "no_cache_requested"]
 
 log = logging.getLogger(__name__)
 
+# The app's extension under which the cache is kept.
+EXTENSION = "corechat_cache"
 OPT_OUT_DIRECTIVES = {"no-cache", "no-store"}
 # The routes whose replies the cache serves: each response says what the cache did.
 CACHED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -66,7 +70,7 @@ class CircuitBreaker:
 class ResponseCache:
     """One worker's view of the cache: its store, its breaker, its flights and the cache settings."""
 
-    def __init__(self, store, settings):
+    def __init__(self, store: LocalStore | RedisStore, settings: Settings):
         self.store = store
         self.shared_across_keys = settings.cache_scope == "shared"
         self.ttl_seconds = settings.cache_ttl_seconds
@@ -78,7 +82,7 @@ class ResponseCache:
         self._flights_lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings) -> "ResponseCache":
+    def from_settings(cls, settings: Settings) -> "ResponseCache":
         """Build the cache on Redis when REDIS_URL is set, else on this worker's memory."""
         redis_url = settings.redis_url.get_secret_value()
         if redis_url:
@@ -108,8 +112,8 @@ class ResponseCache:
 
     def open(
         self, prepared, fingerprint: str, start, *, scope: str = "", bypass: bool = False
-    ) -> tuple[EventSource, str]:
-        """Return the source of a reply and its X-Cache value (hit, miss or bypass).
+    ) -> tuple[EventSource, CacheStatus]:
+        """Return the source of a reply and what the cache did for it.
 
         `start(forced_ids)` queues a real generation; it is called only when this worker has to generate.
         `bypass` is what `bypasses` told; when `open` raises, `failed_status(bypass)` is the error's X-Cache value.
@@ -144,20 +148,22 @@ class ResponseCache:
             if self._flights.get(flight.digest) is flight:
                 del self._flights[flight.digest]
 
-    def failed_status(self, bypass: bool) -> str:
+    def failed_status(self, bypass: bool) -> CacheStatus:
         """Return the X-Cache value of a request whose `open` raised: `miss` if it used the store, else `bypass`."""
-        return "miss" if not bypass and self.breaker.closed() else "bypass"
+        return CacheStatus.MISS if not bypass and self.breaker.closed() else CacheStatus.BYPASS
 
     @staticmethod
-    def _lookup_result(result: str) -> str:
+    def _lookup_result(result: str) -> CacheStatus:
         """Settle a lookup's result (hit, miss, bypass or error): count it and return its X-Cache value."""
         metrics.count_cache_lookup(result)
-        return "bypass" if result == "error" else result
+        return CacheStatus.BYPASS if result == "error" else CacheStatus(result)
 
 
-def settled_status(source: EventSource, status: str) -> str:
+def settled_status(source: EventSource, status: CacheStatus) -> CacheStatus:
     """Return the X-Cache value of a whole reply: a `hit` whose flight went on to generate text is a `miss`."""
-    return "miss" if status == "hit" and isinstance(source, FlightReader) and source.generated else status
+    if status is CacheStatus.HIT and isinstance(source, FlightReader) and source.generated:
+        return CacheStatus.MISS
+    return status
 
 
 def add_status_header(response):
@@ -167,7 +173,12 @@ def add_status_header(response):
     return response
 
 
-def init_app(app, cache: ResponseCache | None = None) -> None:
+def init_app(app: Flask, settings: Settings, cache: ResponseCache | None = None) -> None:
     """Attach the response cache (built here, so each forked worker has its own Redis pool)."""
-    app.extensions["corechat_cache"] = cache or ResponseCache.from_settings(app.extensions["corechat"].settings)
+    app.extensions[EXTENSION] = cache or ResponseCache.from_settings(settings)
     app.after_request(add_status_header)
+
+
+def current_cache() -> ResponseCache:
+    """Return the response cache of the app handling the current request."""
+    return current_app.extensions[EXTENSION]

@@ -9,7 +9,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .core import Engine, EngineOverloaded, EngineUnavailable
-    from .events import ChoiceEvent, ChoiceGroup, Event, EventSource, Failed, Finished, Generation, PromptLogprobs, Started, TextDelta
+    from .events import (
+        ChoiceEvent,
+        ChoiceGroup,
+        Event,
+        EventSource,
+        Failed,
+        Finished,
+        Generation,
+        PromptLogprobs,
+        Started,
+        TextDelta,
+    )
     from .grammar import GrammarRefused, json_schema_grammar, text_or_tool_call_grammar, tool_call_grammar
     from .loading import ModelNotFound
     from .sampling import SamplingParams, choice_seed

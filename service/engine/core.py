@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from .cores import SharedCores, no_sharing
 from .events import ChoiceGroup, Failed, Generation
 from .facts import EngineFacts, EngineState
 from .grammar import Grammars
@@ -25,7 +26,6 @@ from .loading import (
     model_fingerprint,
     resolve_model_dir,
 )
-from .cores import SharedCores, no_sharing
 from .memory import KVBudget, kv_bytes_per_token, pages_needed, return_freed_memory
 from .prefixes import PrefixStore, SharedPrefixes
 from .prepare import prepare_model

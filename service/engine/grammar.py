@@ -19,7 +19,6 @@ from llguidance._tokenizer import TokenizerWrapper
 
 from .text import byte_level_alphabet
 
-
 # The spacing Qwen2.5 and json.dumps write. No free whitespace: a model (a random one above all)
 # could otherwise fill its whole budget with blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -21,7 +21,6 @@ import torch
 
 from .memory import PAGE_TOKENS, KVBudget, pages_for
 
-
 # Pages a copy in or out of the pool moves at a time: its temporary is never larger.
 COPY_PAGES = 16
 

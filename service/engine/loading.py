@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-
 log = logging.getLogger(__name__)
 
 # A weight file's SHA-256 is kept in a small file of this suffix, beside it (or in the hashes folder
@@ -40,7 +39,7 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") != 1:
         raise ModelNotFound(
             f"model folder {model} does not exist; build the demo model with "
-            f"`python -m service.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
+            f"`python -m devtools.devmodel {model} --preset qwen2.5-0.5b` or set MODEL"
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

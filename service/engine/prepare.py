@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
-from .qwen2 import LeanModel
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS, apply_quantized
+from .qwen2 import LeanModel
 
 
 @dataclass(frozen=True)

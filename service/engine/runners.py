@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from .kvcache import cache_layers, build_cache, new_cache, reserve
+from .kvcache import build_cache, cache_layers, new_cache, reserve
 from .kvpool import PagePool, SequencePages
-from .memory import KVBudget, PAGE_TOKENS
+from .memory import PAGE_TOKENS, KVBudget
 from .qwen2 import LeanModel, Rows, lean_forward
 
 

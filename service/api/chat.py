@@ -1,0 +1,386 @@
+"""The chat-completions serving class: from a validated request to OpenAI's wire format.
+
+The views stay thin; this class knows the engine's events and OpenAI's objects, and nothing of
+Flask's request and response objects.
+"""
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..engine import (
+    ChoiceEvent,
+    ChoiceGroup,
+    EventSource,
+    Failed,
+    Finished,
+    Generation,
+    GrammarRefused,
+    SamplingParams,
+    TemplateRefused,
+    TextDelta,
+    TokenLogprob,
+    json_schema_grammar,
+    text_or_tool_call_grammar,
+    tool_call_grammar,
+)
+from ..errors import ContextLengthExceeded, InternalError, InvalidRequest
+from ..settings import Settings
+from .chat_request import CalledFunction, ChatCompletionRequest, SamplingFields
+from .legacy_functions import as_tools_request, function_call_delta
+from .limits import check_message_count, check_prompt_text, check_prompt_tokens
+from .naming import resolve_model_name
+from .responses import AssistantMessage, ChatCompletion, Choice
+from .serving import (
+    ChatEngine,
+    PreparedReply,
+    check_choices,
+    choice_params,
+    interrupted,
+    read_whole_reply,
+    split_choice,
+    submit,
+    usage_of,
+)
+from .sse import DONE, PING, sse_data
+from .toolcalls import ToolCallParser, merge_deltas
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedChat(PreparedReply):
+    """A chat request checked against the model: its prompt's token ids and how to sample."""
+
+    request: ChatCompletionRequest
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
+        return ToolCallParser() if self.request.tools_offered else None
+
+
+def render_logprob(entry: TokenLogprob) -> dict:
+    """Render a token's logprob entry in OpenAI's shape."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in entry.top],
+    }
+
+
+class ChatCompletions:
+    """Prepare, run and render chat completions for one worker's engine."""
+
+    def __init__(self, engine: ChatEngine, settings: Settings):
+        self.engine = engine
+        self.settings = settings
+
+    @property
+    def model_name(self) -> str:
+        """Return the name replies carry when the request named no model."""
+        return self.settings.served_model_name
+
+    def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Render and tokenize the prompt and resolve every sampling parameter, or raise a 4xx."""
+        model_name = resolve_model_name(self.settings, request.model)
+        request = as_tools_request(request)
+        check_message_count(len(request.messages), self.settings)
+        messages = [message.for_template() for message in request.messages]
+        check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
+        if tools and not self.engine.template.supports_tools:
+            raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
+                                 param="tools")
+        grammar = self._grammar(request)
+        try:
+            prompt_ids = self.engine.template.encode_chat(messages, tools)
+        except TemplateRefused as exc:
+            raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
+        check_prompt_tokens(len(prompt_ids), self.settings)
+        params = self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
+                                      top_logprobs=request.top_logprobs or 0)
+        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
+        return PreparedChat(
+            request=request,
+            prompt_ids=prompt_ids,
+            choice_params=choice_params(params, request.choice_count),
+            completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model_name=model_name,
+        )
+
+    def _grammar(self, request: ChatCompletionRequest) -> str | None:
+        """Return the grammar the reply must follow (a forced tool call, strict tools' calls under
+        `auto`, or response_format), or None."""
+        if request.strict_tools_under_auto:
+            return self._strict_auto_grammar(request)
+        if request.forced_tools:
+            functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
+            try:
+                return tool_call_grammar(functions, parallel=request.parallel_tool_calls is not False)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
+                                     param="tools") from None
+        if request.json_schema is not None:
+            try:
+                return json_schema_grammar(request.json_schema)
+            except GrammarRefused as exc:
+                raise InvalidRequest(f"invalid 'response_format': the schema cannot be enforced: {exc}",
+                                     param="response_format") from None
+        return None
+
+    def _strict_auto_grammar(self, request: ChatCompletionRequest) -> str:
+        """Return the grammar of text or tool calls in which every strict tool's arguments follow its schema."""
+        if request.json_schema is not None:
+            raise InvalidRequest("'response_format' cannot be combined with strict tools under tool_choice 'auto'",
+                                 param="response_format")
+        markers = self.engine.template.tool_call_marker_ids
+        if markers is None:
+            raise InvalidRequest("strict tools cannot be enforced: the model's tokenizer has no tool-call tokens",
+                                 param="tools")
+        functions = [
+            (tool.function.name, tool.function.arguments_schema if tool.function.strict else {"type": "object"})
+            for tool in request.tools_offered
+        ]
+        try:
+            return text_or_tool_call_grammar(functions, request.parallel_tool_calls is not False, markers)
+        except GrammarRefused as exc:
+            raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
+                                 param="tools") from None
+
+    def sampling_params(self, request: SamplingFields, prompt_tokens: int, grammar: str | None, *, logprobs: bool,
+                        top_logprobs: int, prompt_logprobs: int | None = None,
+                        prompt_param: str = "messages") -> SamplingParams:
+        """Fill omitted parameters from the model's generation config and check the lengths (chat's and legacy
+        completions' alike; `prompt_param` names the field a prompt too long for the context blames)."""
+        limit, limit_name = self.token_limit()
+        room = limit - prompt_tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in {limit_name}",
+                param=prompt_param,
+            )
+        asked = request.requested_max_tokens
+        param = request.max_tokens_param
+        if asked is not None and asked > self.settings.max_tokens_limit:
+            raise InvalidRequest(
+                f"{param} is {asked}, above this server's limit of {self.settings.max_tokens_limit}",
+                param=param,
+            )
+        if asked is not None and asked > room:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_tokens} tokens and {param} is {asked}: {prompt_tokens + asked} "
+                f"tokens do not fit {limit_name}",
+                param=param,
+            )
+        temperature = self._or_model_default(request.temperature, "temperature", 1.0)
+        top_p = self._or_model_default(request.top_p, "top_p", 1.0)
+        top_k = self._or_model_default(request.top_k, "top_k", 0)
+        return SamplingParams(
+            max_tokens=asked if asked is not None else min(self.settings.default_max_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(top_k, 0),
+            seed=request.seed,
+            stop=request.stop_strings,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=self._repetition_penalty(request),
+            grammar=grammar,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            logit_bias=self._logit_bias(request),
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _logit_bias(self, request: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
+        vocab_size = self.engine.template.vocab_size
+        for token_id in map(int, request.logit_bias or {}):
+            if token_id >= vocab_size:
+                raise InvalidRequest(f"invalid 'logit_bias': {token_id} is not a token id of this model (its ids run "
+                                     f"from 0 to {vocab_size - 1})", param="logit_bias")
+        return request.token_biases
+
+    def _repetition_penalty(self, request: SamplingFields) -> float:
+        """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
+        transformers and vLLM apply it), else 1 (none)."""
+        if request.repetition_penalty is not None:
+            return request.repetition_penalty
+        configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
+        return float(configured) if configured is not None else 1.0
+
+    def token_limit(self) -> tuple[int, str]:
+        """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
+
+        The model's context, unless the worker's KV budget (KV_CACHE_MB) is smaller: a request
+        beyond it could never start, so it is refused instead of queued for ever.
+        """
+        context = self.engine.context_length or self.settings.max_model_len or 32768
+        budget = self.engine.kv_token_budget
+        if budget and budget < context:
+            return budget, f"this server's KV cache budget of {budget} tokens per worker (KV_CACHE_MB)"
+        return context, f"the model's context of {context} tokens"
+
+    def _or_model_default(self, asked, name: str, openai_default):
+        """Return a sampling value the request gave, else the model's generation config's, else OpenAI's."""
+        if asked is not None:
+            return asked
+        defaults = self.engine.generation_defaults
+        configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
+        return openai_default if configured is None else type(openai_default)(configured)
+
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
+        """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
+        try:
+            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
+        except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
+            param = "tools" if prepared.request.forced_tools else "response_format"
+            raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
+
+    # Rendering -----------------------------------------------------------------------------
+    # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
+    # half what building and dumping responses.ChatCompletionChunk does. tests/test_responses.py checks
+    # that every chunk validates as that model and renders byte for byte as the model renders it.
+
+    def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,
+               index: int = 0) -> dict:
+        """Build one chat.completion.chunk object of choice `index` (`logprobs`: the entries of the tokens it
+        delivers)."""
+        chunk = {
+            "id": prepared.completion_id,
+            "object": "chat.completion.chunk",
+            "created": prepared.created,
+            "model": prepared.model_name,
+            "system_fingerprint": self.engine.fingerprint or None,
+            "choices": [{"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                         "finish_reason": finish_reason}],
+        }
+        if prepared.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream(self, prepared: PreparedChat, source: EventSource):
+        """Yield the SSE text of a reply; `source` gives engine events (a Generation, a group of choices or a replay).
+
+        Each choice's chunks carry its index; with n > 1 they interleave as the choices' tokens come.
+        The source is cancelled in `finally`, so a client that goes away frees its engine slot.
+        """
+        count = len(prepared.choice_params)
+        parsers = [prepared.tool_call_parser() for _ in range(count)]
+        # Entries of tokens whose text is still held back go out with the choice's next chunk.
+        held: list[list[dict]] = [[] for _ in range(count)]
+        try:
+            for index in range(count):
+                yield sse_data(self._chunk(prepared, {"role": "assistant", "content": ""}, index=index))
+            while True:
+                event = source.next_event(timeout=self.settings.sse_ping_seconds)
+                index, inner = split_choice(event)
+                if event is None:
+                    yield PING
+                elif isinstance(inner, TextDelta):
+                    held[index] += map(render_logprob, inner.logprobs)
+                    for delta in self._deltas(prepared, parsers[index], inner.text):
+                        yield sse_data(self._chunk(prepared, delta, logprobs=held[index], index=index))
+                        held[index] = []
+                elif isinstance(event, ChoiceEvent):
+                    if isinstance(inner, Finished) and inner.finish_reason != "cancelled":
+                        yield from self._end_choice(prepared, index, parsers[index], held[index], inner)
+                elif isinstance(event, Finished):
+                    if event.finish_reason == "cancelled":
+                        yield sse_data(interrupted().body().model_dump())
+                        break
+                    if count == 1:
+                        yield from self._end_choice(prepared, 0, parsers[0], held[0], event)
+                    if prepared.request.include_usage:
+                        usage_chunk = self._chunk(prepared, {})
+                        usage_chunk.update(choices=[], usage=usage_of(event).model_dump())
+                        yield sse_data(usage_chunk)
+                    break
+                elif isinstance(event, Failed):
+                    yield sse_data(InternalError(event.message).body().model_dump())
+                    break
+            yield DONE
+        finally:
+            source.cancel()
+
+    def _end_choice(self, prepared: PreparedChat, index: int, parser: ToolCallParser | None, held: list[dict],
+                    finished: Finished):
+        """Yield the SSE text that ends one choice: its held-back text and entries, then its finish reason."""
+        for delta in self._deltas(prepared, parser, None):
+            yield sse_data(self._chunk(prepared, delta, logprobs=held, index=index))
+            held = []
+        if held:
+            yield sse_data(self._chunk(prepared, {}, logprobs=held, index=index))
+        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser), index=index))
+
+    @staticmethod
+    def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out
+        (as the legacy `function_call` for a request that sent `functions`)."""
+        if parser is None:
+            return [{"content": text}] if text else []
+        content, calls = parser.feed(text) if text is not None else parser.finish()
+        deltas = [{"content": content}] if content else []
+        if calls and prepared.request.legacy_functions:
+            piece = function_call_delta(calls)
+            deltas += [{"function_call": piece}] if piece is not None else []
+        elif calls:
+            deltas.append({"tool_calls": calls})
+        return deltas
+
+    @staticmethod
+    def _finish_reason(prepared: PreparedChat, finished: Finished, parser: ToolCallParser | None) -> str:
+        """Return OpenAI's finish reason: `tool_calls` (legacy: `function_call`) when a reply that ended by itself
+        called tools."""
+        if parser is not None and parser.calls and finished.finish_reason == "stop":
+            return "function_call" if prepared.request.legacy_functions else "tool_calls"
+        return finished.finish_reason
+
+    def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:
+        """Wait for the whole reply (every choice) and return a chat.completion object."""
+        count = len(prepared.choice_params)
+        pieces: list[list[str]] = [[] for _ in range(count)]
+        logprobs: list[list[dict]] = [[] for _ in range(count)]
+
+        def take(index: int, delta) -> None:
+            if isinstance(delta, TextDelta):
+                pieces[index].append(delta.text)
+                logprobs[index] += map(render_logprob, delta.logprobs)
+
+        ended, finished = read_whole_reply(source, count, take)
+        return ChatCompletion(
+            id=prepared.completion_id,
+            object="chat.completion",
+            created=prepared.created,
+            model=prepared.model_name,
+            system_fingerprint=self.engine.fingerprint or None,
+            choices=[self._choice(prepared, index, "".join(pieces[index]), logprobs[index], ended[index])
+                     for index in range(count)],
+            usage=usage_of(finished),
+        )
+
+    def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict],
+                finished: Finished) -> Choice:
+        """Build one choice of a whole reply: its text, tool calls (or legacy function call) and finish reason."""
+        calls = []
+        parser = prepared.tool_call_parser()
+        if parser is not None:
+            content, deltas = parser.feed(text)
+            rest, last_deltas = parser.finish()
+            text, calls = content + rest, merge_deltas(deltas + last_deltas)
+        if calls and prepared.request.legacy_functions:
+            message = AssistantMessage(role="assistant", content=text or None,
+                                       function_call=CalledFunction(**calls[0]["function"]))
+        elif calls:
+            message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
+        else:
+            message = AssistantMessage(role="assistant", content=text)
+        return Choice(
+            index=index,
+            message=message,
+            logprobs={"content": logprobs} if prepared.params.logprobs else None,
+            finish_reason=self._finish_reason(prepared, finished, parser),
+        )

@@ -1,0 +1,523 @@
+"""corechat's Gunicorn worker: requests arrive whole, and are admitted or refused, in the event loop.
+
+Gunicorn's gthread worker hands a connection to a request thread as soon as its first byte arrives,
+and the thread then waits for the rest: as many clients as a worker has threads, each sending half a
+request, would hold all of them, and probes would time out behind them. Here the worker's selector
+loop reads every request to its end (h11 frames it, arrival.py), within REQUEST_ARRIVAL_SECONDS and
+the size limits, and only then gives a request thread what h11 decoded, rebuilt as one
+Content-Length request that Gunicorn parses from memory before it runs the app. Keep-alive
+connections wait in the same loop between requests.
+
+Admission happens in the loop too, before any wait: a POST (a chat completion, the only request that
+holds its thread for long: it streams, waits for a whole reply or follows an identical request; a
+quick /tokenize or /detokenize is counted alike) takes one of the worker's MAX_RUNNING + MAX_QUEUE
+places until its response ends, or is refused with a 503 at once when none is free, as soon as its
+head has arrived (before a `100 Continue`, so a full worker never makes a client upload the body it
+refuses). The worker has a thread per place plus
+SPARE_HTTP_THREADS, so a request that got a place always gets a thread, and probes, scrapes and
+other quick requests find a free one. A response whose client reads none of it for
+SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
+
+A worker starts accepting connections only once its engine is ready, so no request waits on a model
+load.
+"""
+
+import errno
+import ipaddress
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from functools import partial
+
+from gunicorn import http
+from gunicorn.http import errors as gunicorn_errors
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+
+from ..errors import RETRY_AFTER_SECONDS
+from ..observability.metrics import count_refused_by_worker, send_timeouts_total
+from ..observability.request_record import CacheStatus
+from ..settings import get_settings
+from .arrival import (
+    GUNICORN_ERRORS,
+    MALFORMED,
+    ArrivingRequest,
+    RefusedRequest,
+    WholeRequest,
+    http_error,
+)
+from .refusal import access_entry, render
+
+READ_BYTES = 64 * 1024
+ACCEPT_BATCH = 16
+BURST_ROUNDS = 8
+# After its last response a closing connection is drained this long (RFC 9112 section 9.6), so
+# unread request bytes do not make the kernel reset it before the client has read the response.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 64 * 1024
+EXPIRY_CHECK_SECONDS = 0.5
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Gunicorn settings that change how a request is read or routed, which this worker's own reading
+# would silently contradict: (setting, the value it must keep, why).
+UNSUPPORTED_SETTINGS = (
+    ("proxy_protocol", "off", "the event loop reads plain HTTP/1.1 from the first byte"),
+    ("casefold_http_method", False, "admission counts only an exact POST, and Flask would route a `post` as POST"),
+    ("permit_unconventional_http_method", False, "admission counts only an exact POST"),
+)
+
+
+class Connection(TConn):
+    """A client connection: whether its request holds a place, and the request it carries."""
+
+    def __init__(self, cfg, sock, client, server):
+        super().__init__(cfg, sock, client, server)
+        self.holds_place = False
+        self.leftover = b""
+        self.arrived: ArrivingRequest | None = None
+        self.send_timed_out = False
+
+
+class CorechatWorker(ThreadWorker):
+    """gthread, with whole requests read in the event loop and accepting deferred until the engine is ready."""
+
+    @classmethod
+    def check_config(cls, cfg, log):
+        """Refuse at start the Gunicorn settings this worker cannot honour, saying which and why."""
+        super().check_config(cfg, log)
+        if cfg.is_ssl or cfg.protocol != "http" or cfg.http2_cleartext != "off":
+            raise RuntimeError(
+                "corechat's worker serves plain HTTP/1.1 only: terminate TLS and HTTP/2 in front of it "
+                "(nginx), and leave Gunicorn's certfile, protocol and http2_cleartext at their defaults"
+            )
+        for name, required, reason in UNSUPPORTED_SETTINGS:
+            if getattr(cfg, name) != required:
+                raise RuntimeError(f"corechat's worker needs Gunicorn's {name} = {required!r}: {reason}")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = get_settings()
+        self.arrival_seconds = settings.request_arrival_seconds
+        self.send_seconds = settings.send_timeout_seconds
+        self.max_body_bytes = settings.max_request_bytes
+        self.places = settings.request_places
+        self.free_places = settings.request_places
+        # Bodies still arriving may hold this much of the worker's memory together: as many whole
+        # bodies as the worker has places, the most it could serve at once anyway.
+        self.arriving_budget = settings.request_places * settings.max_request_bytes
+        self.arriving_bytes = 0
+        self.allowed_networks = settings.allowed_network_list
+        self.cors_origins = settings.cors_origin_set
+        self.arriving: dict[Connection, ArrivingRequest] = {}
+        self.dispatched: deque[Connection] = deque()
+        self.lingering: dict[Connection, tuple[float, int]] = {}
+        self.open_for_requests = False
+        self.stopped_listening = False
+        self.next_expiry_check = 0.0
+        self.serving = threading.local()
+
+    # Readiness ------------------------------------------------------------------------------
+
+    def open_when(self, settled, on_open) -> None:
+        """Accept connections once settled() returns (it blocks; run in a thread), then call on_open
+        when settled() returned True.
+
+        Until then the worker heartbeats and accepts nothing, so no request waits on a model load;
+        the kernel hands connections to the workers that accept.
+        """
+
+        def wait_then_open():
+            """Wait in a thread, then open in the event loop."""
+            ready = settled()
+            self.method_queue.defer(self._open, on_open if ready else None)
+
+        threading.Thread(target=wait_then_open, name="corechat-open", daemon=True).start()
+
+    def _open(self, on_open) -> None:
+        """Start accepting connections (in the event loop)."""
+        self.open_for_requests = True
+        self.set_accept_enabled(self.nr_conns < self.worker_connections)
+        if on_open is not None:
+            on_open()
+
+    def set_accept_enabled(self, enabled):
+        """Accept connections only once the worker is open for requests, and never once it stops."""
+        super().set_accept_enabled(enabled and self.open_for_requests and self.alive and not self.stopped_listening)
+
+    def handle_exit(self, sig, frame):
+        """On SIGTERM, stop listening at once (in the event loop), then drain.
+
+        On SIGTERM the master closes its listeners, but every worker holds inherited copies, so the
+        kernel kept completing new connections into a backlog that no one would accept: clients hung
+        until the worker exited and then got a reset. Closed, new connections are refused at once and
+        go to another worker, host or (during a reload) the new master's workers, while the requests
+        in flight finish within graceful_timeout.
+
+        The handler interrupts the loop anywhere, even inside the poller's own bookkeeping, so it
+        only asks the loop to stop listening: the wake-up it queues runs stop_listening there within
+        one turn.
+        """
+        super().handle_exit(sig, frame)
+        self.method_queue.defer(self.stop_listening)
+
+    def stop_listening(self) -> None:
+        """Take the listeners out of the poller, then close them (in the event loop).
+
+        Closed while still registered, a listener inherited from the master stays in epoll (the
+        master's copy keeps it open), and a connection waiting in its backlog woke the loop without
+        end.
+        """
+        self.set_accept_enabled(False)
+        self.stopped_listening = True
+        for listener in self.sockets:
+            listener.close()
+
+    # The event loop --------------------------------------------------------------------------
+
+    def run(self):
+        """Serve until told to stop, then let the requests in flight finish within graceful_timeout."""
+        self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
+        while self.alive:
+            self.notify()
+            self.set_accept_enabled(self.nr_conns < self.worker_connections)
+            self.wait_for_and_dispatch_events(timeout=1.0)
+            if not self.is_parent_alive():
+                break
+            self.expire_waiting()
+        self.stop_listening()
+        # A request a client may already be sending on a kept-alive connection is still answered
+        # (with "Connection: close"); idle connections close soon after.
+        linger_until = time.monotonic() + STOP_KEEPALIVE_LINGER
+        for arriving in self.arriving.values():
+            if arriving.idle:
+                arriving.deadline = min(arriving.deadline, linger_until)
+        graceful_deadline = time.monotonic() + self.cfg.graceful_timeout
+        while self.nr_conns > 0 and time.monotonic() < graceful_deadline:
+            self.notify()
+            self.wait_for_and_dispatch_events(timeout=EXPIRY_CHECK_SECONDS)
+            self.expire_waiting()
+        for conn in [*self.arriving, *self.lingering]:
+            self.close(conn)
+        self.tpool.shutdown(wait=False)
+        self.poller.close()
+        self.method_queue.close()
+
+    def accept(self, listener):
+        """Accept the connections waiting (a few at most, so the workers share a burst) and read
+        what each already sent."""
+        # A listener's readiness may come in the same batch of events as the wake-up that closed it.
+        if self.stopped_listening:
+            return
+        for _ in range(ACCEPT_BATCH):
+            if self.nr_conns >= self.worker_connections:
+                return
+            try:
+                client_sock, client_addr = listener.accept()
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
+                    raise
+                return
+            if not self.peer_allowed(client_addr):
+                self.log.debug("closed a connection from %s, outside ALLOWED_NETWORKS", client_addr)
+                client_sock.close()
+                continue
+            self.nr_conns += 1
+            # The send deadline is the kernel's: a connection whose data has waited this long for the
+            # client to acknowledge it, or to open a window closed by a client that reads nothing,
+            # is aborted, and the next send fails with ETIMEDOUT. A send timeout would not do: the
+            # kernel buffers megabytes of a stream before a send blocks, and Python waits for
+            # readability before every recv on a socket with a timeout (the disconnect watch peeks).
+            if client_sock.family in (socket.AF_INET, socket.AF_INET6):
+                client_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.send_seconds * 1000))
+            conn = Connection(self.cfg, client_sock, client_addr, listener.getsockname())
+            arriving = self.await_request(conn, time.monotonic() + self.arrival_seconds, idle=False)
+            self.on_request_bytes(arriving, client_sock)
+
+    def peer_allowed(self, client) -> bool:
+        """Tell whether a peer may connect: loopback (or a Unix socket, which has no address), or an
+        address in ALLOWED_NETWORKS (an IPv4 peer of a dual-stack listener by its IPv4 address)."""
+        if not isinstance(client, tuple):
+            return True
+        address = ipaddress.ip_address(client[0].partition("%")[0])
+        address = getattr(address, "ipv4_mapped", None) or address
+        return address.is_loopback or any(address in network for network in self.allowed_networks)
+
+    def await_request(self, conn: Connection, deadline: float, *, idle: bool, leftover: bytes = b"") -> ArrivingRequest:
+        """Read the connection's next request in the loop, starting from bytes already received."""
+        arriving = ArrivingRequest(conn, deadline, idle=idle, max_body_bytes=self.max_body_bytes)
+        self.arriving[conn] = arriving
+        conn.sock.setblocking(False)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_request_bytes, arriving))
+        if leftover:
+            self.take_bytes(arriving, leftover)
+        return arriving
+
+    def on_request_bytes(self, arriving: ArrivingRequest, _sock) -> None:
+        """Read what the client sent (the connection is readable)."""
+        try:
+            data = arriving.conn.sock.recv(READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self.take_bytes(arriving, data)
+
+    def take_bytes(self, arriving: ArrivingRequest, data: bytes) -> None:
+        """Frame the bytes; dispatch a whole request, refuse a bad one, or wait for more."""
+        if arriving.started_at is None and data:
+            arriving.started_at = time.monotonic()
+            if arriving.idle:
+                arriving.idle = False
+                arriving.deadline = arriving.started_at + self.arrival_seconds
+        try:
+            whole = self.frame(arriving, data)
+            if self.arriving_bytes > self.arriving_budget:
+                raise self.overloaded(f"request bodies still arriving fill this worker's {self.arriving_budget} bytes")
+        except RefusedRequest as refused:
+            self.log.warning("refused a request from %s: %s", arriving.conn.client, refused.message)
+            self.refuse(arriving, refused)
+            return
+        except ConnectionError:
+            self.close(arriving.conn)
+            return
+        if arriving.request is not None and not arriving.admitted:
+            if not self.admit(arriving):
+                return
+        if whole is not None:
+            self.dispatch(arriving, whole)
+        elif arriving.waits_for_continue():
+            arriving.continued = True
+            self.send_now(arriving.conn, CONTINUE)
+
+    def frame(self, arriving: ArrivingRequest, data: bytes) -> WholeRequest | None:
+        """Give the bytes to the request's framing, counting the body bytes the worker holds for it."""
+        held = len(arriving.body)
+        try:
+            return arriving.take(data)
+        finally:
+            self.arriving_bytes += len(arriving.body) - held
+
+    def admit(self, arriving: ArrivingRequest) -> bool:
+        """Refuse a POST as soon as its head has arrived when no place is free; tell whether it goes on.
+
+        The place itself is taken when the whole request has arrived (dispatch): a slow upload holds
+        none meanwhile.
+        """
+        if arriving.method == b"POST" and not self.free_places:
+            self.refuse(arriving, self.overloaded())
+            return False
+        arriving.admitted = True
+        return True
+
+    def dispatch(self, arriving: ArrivingRequest, whole: WholeRequest) -> None:
+        """Give a whole request to a request thread, parsed by Gunicorn from memory, never from the
+        socket; a POST takes a place, or is refused when none is free."""
+        conn = arriving.conn
+        if arriving.method == b"POST":
+            if not self.free_places:
+                self.refuse(arriving, self.overloaded())
+                return
+            self.free_places -= 1
+            conn.holds_place = True
+        self.stop_waiting(conn)
+        # What the access log may still need of the request is its head; its body went into `whole`.
+        arriving.body.clear()
+        conn.parser = http.get_parser(self.cfg, [whole.head, whole.body] if whole.body else [whole.head], conn.client)
+        conn.leftover = whole.leftover
+        conn.arrived = arriving
+        conn.data_ready = True
+        self.dispatched.append(conn)
+
+    def wait_for_and_dispatch_events(self, timeout):
+        """Handle what is ready, and what became ready meanwhile (a burst), then start the requests
+        that became whole.
+
+        Running request threads contend for the GIL with this loop, which would then refuse the
+        rest of a burst only between their slices; started after the burst, they let the loop
+        refuse all of it at once (test_admission.py holds refusals to its bound).
+        """
+        for burst_round in range(BURST_ROUNDS):
+            events = self.poller.select(timeout if burst_round == 0 else 0)
+            if not events:
+                break
+            for key, _ in events:
+                key.data(key.fileobj)
+        while self.dispatched:
+            self.enqueue_req(self.dispatched.popleft())
+
+    # In a request thread ----------------------------------------------------------------------
+
+    def handle(self, conn):
+        """Serve one request in a thread, remembering its connection for handle_error."""
+        self.serving.conn = conn
+        try:
+            return super().handle(conn)
+        finally:
+            self.serving.conn = None
+
+    def handle_request(self, req, conn):
+        """Run the app, its response sent within the send deadline.
+
+        The loop already answered any Expect: 100-continue before the body came. A response whose
+        client has read none of it for SEND_TIMEOUT_SECONDS is cut: the kernel aborts the connection
+        (TCP_USER_TIMEOUT, set at accept), the next send fails, and Gunicorn closing the app's
+        iterator cancels the generation.
+        """
+        req._expected_100_continue = False
+        # Gunicorn's max_keepalived: gthread counts its idle connections, this worker its waiting ones.
+        if len(self.arriving) >= self.max_keepalived:
+            req.force_close()
+        try:
+            return super().handle_request(req, conn)
+        except OSError as error:
+            if error.errno != errno.ETIMEDOUT:
+                raise
+            conn.send_timed_out = True
+            self.log.info(
+                "closed the connection of %s: it read nothing of its response for %g seconds (SEND_TIMEOUT_SECONDS)",
+                conn.client, self.send_seconds,
+            )
+            send_timeouts_total.inc()
+            return False
+
+    def _keepalive_after(self, conn, keepalive):
+        """Keep the connection when the response allows: the loop has read the request to its end, so
+        a body the app left unread holds no bytes of the socket (gthread would drain it)."""
+        return keepalive
+
+    def handle_error(self, req, client, addr, exc):
+        """Answer an error Gunicorn raised in a request thread in OpenAI's shape, not as an HTML page,
+        and log it like any other response."""
+        if isinstance(exc, gunicorn_errors.ParseException):
+            status, code = GUNICORN_ERRORS.get(type(exc), MALFORMED)
+            # The exception's text may quote a header value (an API key): only its kind is told.
+            self.log.warning("refused a request from %s: %s", addr, type(exc).__name__)
+            response = http_error(status, f"invalid HTTP request: {type(exc).__name__}", code)
+        else:
+            self.log.exception("error handling a request")
+            status = 500
+            response = http_error(status, "internal server error", "internal_error")
+        try:
+            client.sendall(response)
+        except OSError:
+            self.log.debug("could not send the error response")
+        conn = getattr(self.serving, "conn", None)
+        if conn is not None and conn.arrived is not None:
+            self.log_answer(conn.arrived, status, len(response))
+
+    def overloaded(self, reason: str = "") -> RefusedRequest:
+        """Build the 503 of a request this worker has no room for."""
+        return RefusedRequest(
+            503,
+            reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); "
+                      "retry shortly",
+            "overloaded",
+            # Every chat response says whether the cache served it: this one never reached it.
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": CacheStatus.BYPASS},
+        )
+
+    def finish_request(self, conn, fs):
+        """After a response (in the loop): give back its place, then wait for the next request on
+        the connection, or close it."""
+        if conn.holds_place:
+            conn.holds_place = False
+            self.free_places += 1
+        try:
+            keepalive = not fs.cancelled() and fs.result()
+        except Exception:
+            keepalive = False
+        if conn.send_timed_out:
+            # The kernel has aborted it: nothing left to linger for.
+            self.close(conn)
+        elif keepalive:
+            idle_seconds = self.cfg.keepalive if self.alive else min(self.cfg.keepalive, STOP_KEEPALIVE_LINGER)
+            self.await_request(conn, time.monotonic() + idle_seconds, idle=True, leftover=conn.leftover)
+        else:
+            self.linger(conn)
+
+    # Closing ---------------------------------------------------------------------------------
+
+    def refuse(self, arriving: ArrivingRequest, refused: RefusedRequest) -> None:
+        """Answer a request from the loop, log and count it like any response, and close the connection."""
+        conn = arriving.conn
+        self.stop_waiting(conn)
+        response = render(refused, arriving, self.cors_origins)
+        self.send_now(conn, response)
+        line = arriving.request_line()
+        if line is not None and line[0] == b"POST":
+            count_refused_by_worker(refused.code)
+        self.log_answer(arriving, refused.status, len(response))
+        self.linger(conn)
+
+    def log_answer(self, arriving: ArrivingRequest, status: int, sent: int) -> None:
+        """Write an answer the app never saw to the access log (and statsd, when Gunicorn sends to it)."""
+        started_at = arriving.started_at or time.monotonic()
+        self.log.access(*access_entry(arriving, status, sent, time.monotonic() - started_at))
+
+    def send_now(self, conn: Connection, data: bytes) -> None:
+        """Send a short answer without blocking the loop (it fits an empty socket buffer)."""
+        try:
+            conn.sock.send(data)
+        except OSError:
+            self.log.debug("could not send to %s", conn.client)
+
+    def linger(self, conn: Connection) -> None:
+        """Close the connection once the client has read what was sent: shut our side, then drain."""
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.close(conn)
+            return
+        self.lingering[conn] = (time.monotonic() + LINGER_SECONDS, 0)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_lingering_bytes, conn))
+
+    def on_lingering_bytes(self, conn: Connection, _sock) -> None:
+        """Discard what a closing connection still sends; close it at its end of file or past the cap."""
+        try:
+            data = conn.sock.recv(READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        deadline, drained = self.lingering[conn]
+        if not data or drained + len(data) > LINGER_BYTES:
+            self.close(conn)
+        else:
+            self.lingering[conn] = (deadline, drained + len(data))
+
+    def expire_waiting(self) -> None:
+        """Answer 408 to requests that took too long to arrive; close idle and lingering connections past their time."""
+        now = time.monotonic()
+        if now < self.next_expiry_check:
+            return
+        self.next_expiry_check = now + EXPIRY_CHECK_SECONDS
+        for conn, arriving in list(self.arriving.items()):
+            if arriving.deadline > now:
+                continue
+            if arriving.idle:
+                self.close(conn)
+            else:
+                message = f"the request did not arrive within {self.arrival_seconds:g} seconds"
+                self.log.info("refused a request from %s: %s", conn.client, message)
+                self.refuse(arriving, RefusedRequest(408, message, "request_timeout"))
+        for conn, (deadline, _drained) in list(self.lingering.items()):
+            if deadline <= now:
+                self.close(conn)
+
+    def stop_waiting(self, conn: Connection) -> None:
+        """Take a connection out of the loop's watch."""
+        arriving = self.arriving.pop(conn, None)
+        if arriving is not None:
+            self.arriving_bytes -= len(arriving.body)
+        self.lingering.pop(conn, None)
+        try:
+            self.poller.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def close(self, conn: Connection) -> None:
+        """Close a connection the loop watches or that a request thread is done with."""
+        self.stop_waiting(conn)
+        self.nr_conns -= 1
+        conn.close()
