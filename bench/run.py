@@ -1,12 +1,14 @@
 """Benchmark corechat against plain transformers and against this machine's memory bandwidth.
 
     python bench/run.py            # the full run on the Qwen2.5-0.5B-shaped dev model (minutes)
-    python bench/run.py --peer     # and llama.cpp's llama-server beside it (builds it once, ~10 min)
+    python bench/run.py --peer     # then beside llama.cpp's llama-server in alternating rounds (bench/versus.py:
+                                   # decode, throughput, long prompts, conversations; builds llama.cpp once)
     python bench/run.py --quick    # every scenario on the tiny model, for CI (asserts nothing)
 
 corechat runs as users run it: real Gunicorn from gunicorn.conf.py configured by the environment,
 real HTTP, SSE parsed here, and Redis on; llama-server (bench/peer.py) gets the same model folder,
-threads, parallel sequences and client. Results go to bench/results/<name>.json and .md.
+threads, parallel sequences and client. Results go to bench/results/<name>.json and .md with the CPU,
+its kernel paths, the date and the commit.
 """
 
 import argparse
@@ -31,10 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from bench import RESULTS_DIR, save_results  # noqa: E402
-from bench.comparison import peer_ratios, render_peer_table  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
-from support import GunicornServer, RedisServer, free_port, ready_facts  # noqa: E402  (the tests' real-server helpers)
+from support import GunicornServer, RedisServer, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
 CACHE_DIR = Path.home() / ".cache" / "corechat"
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -413,27 +414,6 @@ def prompt_tokens_of(url: str) -> int:
     return stream_chat(url, short_chat("template check"), 1).prompt_tokens
 
 
-def measure_peer(toolchain, model: Path, log_dir: Path, plan: Plan, threads: int, slots: int) -> dict:
-    """Run scenarios 1, 3 and 5 against llama-server serving one GGUF file."""
-    from bench.peer import LlamaServer, shown_command
-
-    server = LlamaServer(toolchain, model, log_dir, port=free_port(), threads=threads, slots=slots,
-                         context_per_slot=CONTEXT_TOKENS)
-    began = time.perf_counter()
-    server.start()
-    try:
-        return {
-            "command": shown_command(server.command),
-            "seconds_until_ready": time.perf_counter() - began,
-            "prompt_tokens": prompt_tokens_of(server.url),
-            "scenario_1_short_prompt": scenario_short_prompt(server.url, plan),
-            "scenario_3_concurrency": scenario_concurrency(server.url, plan),
-            "scenario_5_memory": memory_of(server.pids()),
-        }
-    finally:
-        server.stop()
-
-
 # The run --------------------------------------------------------------------------------------
 
 
@@ -444,7 +424,7 @@ def vector_extensions() -> list[str]:
     return sorted(flag for flag in flags if flag.startswith(("avx", "amx")) or "vnni" in flag)
 
 
-def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
+def run(plan: Plan, dtype: str, settings: dict, peer: bool = False, rounds: int = 3) -> dict:
     """Measure everything and return the results."""
     from devtools.devmodel import build_dev_model
 
@@ -452,11 +432,10 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
     progress(f"dev model {plan.preset} in {plan.model_dir} (built once)")
     build_dev_model(plan.model_dir, plan.preset)
     if peer:
-        from bench.peer import QUANTIZATIONS, build, convert
+        from bench.peer import build
 
         # Before any measurement: building takes minutes and both cores.
-        toolchain = build()
-        peer_models = convert(toolchain, plan.model_dir)
+        build()
     results = {"machine": {"cpu": platform.processor() or platform.machine(), "physical_cores": cores,
                            "vector_extensions": vector_extensions(), "load_average_at_start": os.getloadavg()[0]},
                "plan": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan).items()},
@@ -508,20 +487,15 @@ def run(plan: Plan, dtype: str, settings: dict, peer: bool = False) -> dict:
                 results["prompt_tokens"] = prompt_tokens_of(server.url)
             finally:
                 server.stop()
-            if peer:
-                slots = int(settings.get("max_running", Settings.model_fields["max_running"].default))
-                results["peer"] = {}
-                for quantization in QUANTIZATIONS:
-                    progress(f"llama.cpp {quantization}: scenarios 1, 3 and 5")
-                    results["peer"][quantization] = measure_peer(toolchain, peer_models[quantization], scratch, plan,
-                                                                 threads=cores, slots=slots)
             results["scenario_7_matrix"] = scenario_matrix(scratch, plan.model_dir, redis_url, plan, dtype)
         finally:
             if redis:
                 redis.stop()
     add_ratios(results)
     if peer:
-        results["peer_ratios"] = peer_ratios(results)
+        from bench import versus
+
+        results["versus"] = versus.run(rounds, versus.formats_for(dtype), quick=plan.preset == "tiny")
     return results
 
 
@@ -594,7 +568,11 @@ def render_markdown(name: str, results: dict) -> str:
             f"{row['decode_tokens_per_second']:.1f} tok/s, {row['four_streams_aggregate_tokens_per_second']:.1f} tok/s | |"
         )
     table = "\n".join(lines) + "\n"
-    return table + "\n" + render_peer_table(results) if "peer" in results else table
+    if "versus" not in results:
+        return table
+    from bench import versus
+
+    return table + "\n" + versus.render(f"{name}: beside llama.cpp", results["versus"])
 
 
 def parse_args() -> argparse.Namespace:
@@ -602,7 +580,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few repetitions: checks that it all runs")
     parser.add_argument("--peer", action="store_true",
-                        help="also measure llama.cpp's llama-server (q8_0, q4_0) on the same model; builds it once")
+                        help="then compare with llama.cpp's llama-server (q8_0, q4_0) on the same model in alternating "
+                        "rounds (bench/versus.py); builds it once")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds beside llama.cpp (with --peer)")
     parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
@@ -625,7 +605,8 @@ def main() -> None:
     plan = Plan(model_dir=args.model_dir or default_dir, **sizes)
     settings = dict(item.split("=", 1) for item in args.set)
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.dtype}"
-    results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()}, peer=args.peer)
+    results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()}, peer=args.peer,
+                  rounds=1 if args.quick else args.rounds)
     save_results(name, results, render_markdown(name, results), args.results_dir)
     progress(f"wrote {args.results_dir / name}.json and .md")
 

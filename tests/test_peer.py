@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from bench.comparison import peer_ratios, render_peer_table
 from bench.peer import cpu_flags_key, model_key, server_command, shown_command
 from bench.run import stream_chat
+from bench.versus import render
 
 # What llama-server (llama.cpp b1-0c1e570, vendored by llama-cpp-python 0.3.36) streamed for a
 # 4-token greedy reply on the tiny model, with include_usage; ids, paths and timings shortened.
@@ -89,36 +89,26 @@ def test_build_key_follows_the_cpu_flags_and_conversion_key_follows_the_model(tm
     assert model_key(tmp_path) != before
 
 
-def server_results(first_token: float, decode: float, tokens_per_second: dict, p95_five: float, pss: int,
-                   prompt_tokens: int) -> dict:
-    """Return the parts of one server's benchmark results that the comparison reads."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "scenario_1_short_prompt": {"first_token_p50_seconds": first_token, "decode_tokens_per_second": decode},
-        "scenario_3_concurrency": {
-            streams: {"aggregate_tokens_per_second": rate, "first_token_p95_seconds": p95_five}
-            for streams, rate in tokens_per_second.items()
-        },
-        "scenario_5_memory": {"pss": pss},
-    }
+def figures(decode: float, first_850: float, pss: int, prompt_tokens: int) -> dict:
+    """Return one server's figures of one round, as bench/versus.py measures them."""
+    return {"decode_tokens_per_second": decode, "aggregate_4_tokens_per_second": 2 * decode,
+            "aggregate_8_tokens_per_second": 3 * decode, "short_first_token_seconds": 0.1,
+            "prompt_850_first_token_seconds": first_850, "prompt_5000_first_token_seconds": 6 * first_850,
+            "short_prompt_tokens": prompt_tokens, "pss_bytes": pss, "errors": []}
 
 
-def test_the_table_gives_each_corechat_figure_as_a_ratio_to_llama_cpps():
-    """Ratios are corechat over llama.cpp, per quantization, and a template mismatch is called out."""
-    results = server_results(0.1, 30.0, {"4": 120.0, "5": 130.0, "8": 160.0}, 0.3, 1_200_000_000, 41)
-    results["peer"] = {
-        "q8_0": {**server_results(0.05, 60.0, {"4": 80.0, "5": 90.0, "8": 100.0}, 0.2, 800_000_000, 41),
-                 "command": "llama-server --model model-q8_0.gguf"},
-        "q4_0": {**server_results(0.2, 15.0, {"4": 240.0, "5": 250.0, "8": 320.0}, 0.6, 600_000_000, 40),
-                 "command": "llama-server --model model-q4_0.gguf"},
-    }
-    ratios = peer_ratios(results)
-    assert ratios["q8_0"] == pytest.approx({"first_token": 2.0, "decode": 0.5, "four_streams": 1.5,
-                                            "eight_streams": 1.6, "five_streams_first_token_p95": 1.5, "pss": 1.5})
-    assert ratios["q4_0"]["decode"] == pytest.approx(2.0)
-    table = render_peer_table(results)
-    assert "| decode, one stream | 30.0 tok/s | 60.0 tok/s | 0.50x | 15.0 tok/s | 2.00x |" in table
-    assert "| PSS of all processes | 1.200 GB | 0.800 GB | 1.50x | 0.600 GB | 2.00x |" in table
-    assert "**The prompts differ**" in table and "40 (q4_0)" in table
-    results["peer"]["q4_0"]["prompt_tokens"] = 41
-    assert "the same chat template and tokenizer" in render_peer_table(results)
+def test_the_table_gives_medians_over_rounds_and_each_rounds_ratio_to_llama_cpp():
+    """Medians with their range over the rounds, corechat over llama.cpp per round, a template mismatch called out."""
+    theirs = [figures(decode, 2.0, 800_000_000, 41) for decode in (40.0, 40.0, 50.0)]
+    mine = [figures(decode, first, 1_200_000_000, 41) for decode, first in ((48.0, 1.0), (60.0, 1.2), (50.0, 0.8))]
+    rounds = [{"corechat int8": ours, "llama.cpp int8": peer} for ours, peer in zip(mine, theirs, strict=True)]
+    results = {"formats": ["int8"], "rounds": rounds, "sizes": {},
+               "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
+                                  "peak_multiply_adds_per_second": {"avx2": 2e11}}}
+    table = render("test", results)
+    assert "| decode, one stream (tok/s) | 50.0 (48.0-60.0) | 40.0 (40.0-50.0) | 1.20x, 1.50x, 1.00x |" in table
+    assert "| first token, ~850-token prompt (s) | 1.00 (0.80-1.20) | 2.00 (2.00-2.00) | 0.50x, 0.60x, 0.40x |" in table
+    assert "| PSS of all processes (GB) | 1.20 (1.20-1.20) | 0.80 (0.80-0.80) | 1.50x, 1.50x, 1.50x |" in table
+    assert "the same template and tokenizer" in table and "Read bandwidth 40.0 GB/s" in table
+    rounds[1]["llama.cpp int8"]["short_prompt_tokens"] = 40
+    assert "**The prompts differ** ([40, 41] tokens" in render("test", results)

@@ -1,0 +1,283 @@
+"""corechat beside llama.cpp's llama-server, servers alternating over rounds: decode, throughput, long
+prompts, conversations.
+
+    python bench/versus.py                 # 3 rounds on the Qwen2.5-0.5B-shaped dev model (about 15 min a round)
+    python bench/versus.py --rounds 5 --formats int8
+    python bench/versus.py --quick         # the tiny model, one round, short scenarios: checks that it all runs
+
+`python bench/run.py --peer` runs it after its own scenarios. Each round starts every server in turn
+(corechat DTYPE=int8 in its default shape, llama-server q8_0, corechat int4, llama-server q4_0; the
+order reversed every other round), so a ratio compares runs minutes apart; one pass on a shared
+machine moves a ratio by up to a quarter, so the tables give the median over the rounds and the
+range, and each round's ratio. Both servers get the same threads (corechat's default shape: a
+worker per core), the same client (bench/run.py's streaming client) and the same model folder
+(llama-server: bench/peer.py's build and GGUF conversion, MAX_RUNNING slots). Scenarios:
+- decode: one stream of a short chat, REPLY_TOKENS greedy tokens: decode tokens/s (median of 3);
+- aggregate: 4 and 8 such streams at once: all their tokens over the wall time;
+- long prompts: the first token of a unique ~850- and ~5,000-token prompt;
+- (int8 only) multi-turn: 4 sessions x 6 turns, each turn resending the whole conversation;
+  and a one-line question 0.5 s behind a ~5,000-token document (corechat WORKERS=1 then, one
+  process as llama-server is: bench/conversations.py's scenarios).
+The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
+each kernel path's peak multiply-add rate. Results go to bench/results/<name>.json and .md with the
+CPU, its kernel paths, the date and the commit.
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench.conversations import SENTENCE, Sizes, multi_turn, short_behind_long  # noqa: E402
+from bench.run import (  # noqa: E402
+    CACHE_DIR,
+    concurrent_streams,
+    memory_of,
+    processes_of,
+    progress,
+    run_probe,
+    start_corechat,
+    stream_chat,
+)
+from service.settings import Settings  # noqa: E402
+from service.topology import physical_cores  # noqa: E402
+from support import free_port  # noqa: E402
+
+PEER_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
+CONTEXT_TOKENS = 8192
+REPLY_TOKENS = 128
+STREAM_COUNTS = (4, 8)
+# User sentences (16 tokens each) of the long prompts: about 850 and 5,000 tokens with the template.
+LONG_PROMPTS = {"850": 52, "5000": 312}
+
+
+def formats_for(dtype: str) -> list[str]:
+    """Return the formats a run compares: both quantized ones, the served one first."""
+    return [dtype, *(fmt for fmt in PEER_QUANTIZATION if fmt != dtype)] if dtype in PEER_QUANTIZATION else list(PEER_QUANTIZATION)
+
+
+def chat(sentences: int, tag: str) -> list[dict]:
+    """Return a one-message chat of `sentences` sentences, unique from its first token."""
+    return [{"role": "user", "content": f"({tag}) " + SENTENCE * sentences + "Summarise the notes."}]
+
+
+def short(tag: str) -> list[dict]:
+    """Return a short chat, unique from its first token."""
+    return [{"role": "user", "content": f"({tag}) Explain in two sentences why the sky is blue."}]
+
+
+def measure(url: str, pids: list[int], reply_tokens: int, sizes: Sizes | None, long_prompts: dict[str, int]) -> dict:
+    """Run the scenarios against one server (its processes `pids`)."""
+    tag = uuid.uuid4().hex[:8]
+    warm = stream_chat(url, short(f"warm {tag}"), 8)
+    singles = [stream_chat(url, short(f"{tag} {index}"), reply_tokens) for index in range(3)]
+    figures = {"decode_tokens_per_second": statistics.median(run.decode_tokens_per_second for run in singles),
+               "short_first_token_seconds": statistics.median(run.first_token_seconds for run in singles),
+               # The same chat template and tokenizer make as many tokens of the same chat.
+               "short_prompt_tokens": warm.prompt_tokens,
+               "errors": [run.error for run in (warm, *singles) if run.error]}
+    for streams in STREAM_COUNTS:
+        results, wall = concurrent_streams(url, [short(f"{tag} x{streams} {index}") for index in range(streams)],
+                                           reply_tokens)
+        figures[f"aggregate_{streams}_tokens_per_second"] = sum(run.completion_tokens for run in results) / wall
+        figures["errors"] += [run.error for run in results if run.error]
+    for name, sentences in long_prompts.items():
+        result = stream_chat(url, chat(sentences, f"{tag} long {name}"), 4)
+        figures[f"prompt_{name}_first_token_seconds"] = result.first_token_seconds
+        figures[f"prompt_{name}_tokens"] = result.prompt_tokens
+        figures["errors"] += [result.error] if result.error else []
+    if sizes is not None:
+        figures["multi_turn"] = multi_turn(url, sizes)
+        figures["errors"] += figures["multi_turn"]["errors"]
+    figures["pss_bytes"] = memory_of(pids)["pss"]
+    return figures
+
+
+def with_corechat(scratch: Path, model_dir: Path, measure_server, **settings) -> dict:
+    """Start corechat (Gunicorn from gunicorn.conf.py, the default shape unless told), measure, stop."""
+    server, _ = start_corechat(scratch, model_dir, "", max_model_len=CONTEXT_TOKENS, **settings)
+    try:
+        return measure_server(server.url, processes_of(server))
+    finally:
+        server.stop()
+
+
+def with_peer(scratch: Path, peer_model: Path, measure_server, slots: int) -> dict:
+    """Start llama-server (the same threads, `slots` sequences of CONTEXT_TOKENS), measure, stop."""
+    from bench.peer import LlamaServer, toolchain_for
+
+    server = LlamaServer(toolchain_for(), peer_model, scratch, port=free_port(), threads=physical_cores(), slots=slots,
+                         context_per_slot=CONTEXT_TOKENS)
+    server.start()
+    try:
+        return measure_server(server.url, server.pids())
+    finally:
+        server.stop()
+
+
+def probe_machine(quick: bool) -> dict:
+    """Measure the read bandwidth and each kernel path's peak multiply-add rate, in child processes."""
+    threads = physical_cores()
+    bandwidth = run_probe("bandwidth", "--threads", str(threads), "--megabytes", "64" if quick else "1024")
+    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from bench.prompt_probe import peak; "
+            "from service.engine import kernels; kernels.load(); torch.set_num_threads(int(sys.argv[2])); "
+            "print(json.dumps({path: peak(path, int(sys.argv[2]), 3) for path in kernels.available_paths() "
+            "if path != 'reference'}))")
+    peaks = subprocess.run([sys.executable, "-c", code, str(REPO), str(threads)], capture_output=True, text=True,
+                           check=True).stdout
+    import json
+
+    return {"read_bytes_per_second": bandwidth["bytes_per_second"], "threads": threads,
+            "peak_multiply_adds_per_second": json.loads(peaks.strip().splitlines()[-1])}
+
+
+def run(rounds: int, formats: list[str], quick: bool) -> dict:
+    """Probe the machine, then run the rounds; return every round's figures."""
+    from bench.peer import build, convert
+    from devtools.devmodel import build_dev_model
+
+    preset = "tiny" if quick else "qwen2.5-0.5b"
+    model_dir = CACHE_DIR / ("test-tiny" if quick else f"bench-{preset}")
+    build_dev_model(model_dir, preset)
+    peer_models = convert(build(), model_dir)
+    sizes = Sizes(quick)
+    reply_tokens = 8 if quick else REPLY_TOKENS
+    long_prompts = {name: max(2, sentences // 10) for name, sentences in LONG_PROMPTS.items()} if quick else LONG_PROMPTS
+    slots = Settings.model_fields["max_running"].default
+    progress("machine: read bandwidth and peak multiply-add rates")
+    results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats,
+               "sizes": {"reply_tokens": reply_tokens, "stream_counts": list(STREAM_COUNTS), "slots": slots,
+                         "conversations": vars(sizes)}}
+    with tempfile.TemporaryDirectory(prefix="corechat-versus-") as scratch:
+        scratch = Path(scratch)
+        for number in range(rounds):
+            figures = {}
+            for fmt in formats:
+                conversations = sizes if fmt == "int8" else None
+                servers = [("corechat", lambda: with_corechat(
+                               scratch, model_dir, lambda url, pids: measure(url, pids, reply_tokens, conversations, long_prompts),
+                               dtype=fmt)),
+                           ("llama.cpp", lambda: with_peer(
+                               scratch, peer_models[PEER_QUANTIZATION[fmt]],
+                               lambda url, pids: measure(url, pids, reply_tokens, conversations, long_prompts), slots))]
+                for name, start in servers if number % 2 == 0 else reversed(servers):
+                    progress(f"round {number + 1} of {rounds}: {name} {fmt}")
+                    figures[f"{name} {fmt}"] = start()
+            if "int8" in formats:
+                progress(f"round {number + 1} of {rounds}: a question behind a document, one process each")
+                behind = [("corechat one worker", lambda: with_corechat(
+                              scratch, model_dir, lambda url, _: short_behind_long(url, sizes), dtype="int8", workers=1)),
+                          ("llama.cpp one process", lambda: with_peer(
+                              scratch, peer_models["q8_0"], lambda url, _: short_behind_long(url, sizes), slots))]
+                for name, start in behind if number % 2 == 0 else reversed(behind):
+                    figures[name] = {"short_behind_long": start()}
+            results["rounds"].append(figures)
+    return results
+
+
+# Tables --------------------------------------------------------------------------------------
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """Return the median of values with their range."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+METRICS = [  # name, key, unit, digits, higher is better
+    ("decode, one stream", "decode_tokens_per_second", "tok/s", 1, True),
+    ("aggregate, 4 streams", "aggregate_4_tokens_per_second", "tok/s", 1, True),
+    ("aggregate, 8 streams", "aggregate_8_tokens_per_second", "tok/s", 1, True),
+    ("first token, short chat", "short_first_token_seconds", "s", 3, False),
+    ("first token, ~850-token prompt", "prompt_850_first_token_seconds", "s", 2, False),
+    ("first token, ~5,000-token prompt", "prompt_5000_first_token_seconds", "s", 2, False),
+    ("PSS of all processes", "pss_gigabytes", "GB", 2, False),
+]
+
+
+def value_of(figures: dict, key: str) -> float:
+    """Return one server's figure of a metric (PSS in GB from its bytes)."""
+    return figures["pss_bytes"] / 1e9 if key == "pss_gigabytes" else figures[key]
+
+
+def render(name: str, results: dict) -> str:
+    """Return the markdown tables of a run."""
+    rounds, probes = results["rounds"], results["machine_probes"]
+    peaks = ", ".join(f"{path} {value / 1e9:.0f} G/s" for path, value in probes["peak_multiply_adds_per_second"].items())
+    lines = [f"# {name}", "",
+             f"{len(rounds)} rounds, servers alternating; medians (range over rounds); corechat / llama.cpp per round. "
+             f"Read bandwidth {probes['read_bytes_per_second'] / 1e9:.1f} GB/s on {probes['threads']} threads; "
+             f"peak multiply-adds per path on as many threads: {peaks}.", ""]
+    for fmt in results["formats"]:
+        peer = PEER_QUANTIZATION[fmt]
+        lines += [f"## corechat {fmt} vs llama.cpp {peer}", "",
+                  f"| measurement | corechat {fmt} | llama.cpp {peer} | corechat / llama.cpp, per round |", "|---|---|---|---|"]
+        for label, key, unit, digits, _ in METRICS:
+            mine = [value_of(figures[f"corechat {fmt}"], key) for figures in rounds]
+            theirs = [value_of(figures[f"llama.cpp {fmt}"], key) for figures in rounds]
+            ratios = ", ".join(f"{a / b:.2f}x" if b else "-" for a, b in zip(mine, theirs, strict=True))
+            lines.append(f"| {label} ({unit}) | {spread(mine, digits)} | {spread(theirs, digits)} | {ratios} |")
+        tokens = {figures[f"{server} {fmt}"]["short_prompt_tokens"] for figures in rounds for server in ("corechat", "llama.cpp")}
+        lines += ["", f"Both made {tokens.pop()} prompt tokens of the short chat: the same template and tokenizer."
+                  if len(tokens) == 1 else f"**The prompts differ** ({sorted(tokens)} tokens of the short chat): the "
+                  "servers did not run the same work.", ""]
+    if "multi_turn" in rounds[0].get("corechat int8", {}):
+        turns = results["sizes"]["conversations"]["turns"]
+        lines += ["## Multi-turn: "
+                  f"{results['sizes']['conversations']['sessions']} sessions x {turns} turns, int8 vs q8_0 (seconds)", "",
+                  "| server | " + " | ".join(f"turn {turn + 1}" for turn in range(turns)) + " | wall | reuse |",
+                  "|---|" + "---|" * (turns + 2)]
+        for server in ("corechat int8", "llama.cpp int8"):
+            runs = [figures[server]["multi_turn"] for figures in rounds]
+            cells = [spread([run["first_token_seconds_by_turn"][turn] for run in runs]) for turn in range(turns)]
+            reuse = statistics.median(run["reuse_of_previous_turn"] for run in runs)
+            lines.append(f"| {server} | " + " | ".join(cells) + f" | {spread([run['wall_seconds'] for run in runs])} | "
+                         f"{reuse:.0%} |")
+        later, wall = [], []
+        for figures in rounds:
+            mine, theirs = figures["corechat int8"]["multi_turn"], figures["llama.cpp int8"]["multi_turn"]
+            later.append(statistics.median(mine["first_token_seconds_by_turn"][1:])
+                         / statistics.median(theirs["first_token_seconds_by_turn"][1:]))
+            wall.append(mine["wall_seconds"] / theirs["wall_seconds"])
+        lines += ["", "corechat / llama.cpp per round: turns 2+ median first token "
+                  + ", ".join(f"{value:.2f}x" for value in later) + "; wall " + ", ".join(f"{value:.2f}x" for value in wall)]
+    if "corechat one worker" in rounds[0]:
+        lines += ["", "## A one-line question 0.5 s behind a long document, one process each (first token, seconds)", "",
+                  "| server | document alone | question behind it | document behind itself |", "|---|---|---|---|"]
+        for server in ("corechat one worker", "llama.cpp one process"):
+            runs = [figures[server]["short_behind_long"] for figures in rounds]
+            lines.append(f"| {server} ({runs[0]['long_prompt_tokens']} tokens) | "
+                         f"{spread([run['long_alone_first_token_seconds'] for run in runs])} | "
+                         f"{spread([run['short_first_token_seconds'] for run in runs])} | "
+                         f"{spread([run['long_first_token_seconds'] for run in runs])} |")
+    errors = [error for figures in rounds for server in figures.values()
+              for error in server.get("errors", []) + server.get("short_behind_long", {}).get("errors", [])]
+    lines += ["", f"Errors: {len(errors)}" + (f" (first: {errors[0]})" if errors else ""), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Run the rounds, print the tables and write the results files."""
+    parser = argparse.ArgumentParser(prog="python bench/versus.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
+    parser.add_argument("--formats", nargs="+", default=list(PEER_QUANTIZATION), choices=sorted(PEER_QUANTIZATION))
+    parser.add_argument("--quick", action="store_true", help="the tiny model, one round: checks that it all runs")
+    parser.add_argument("--name", help="results file name (default: versus, or versus-quick)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    name = args.name or ("versus-quick" if args.quick else "versus")
+    results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick)
+    save_results(name, results, render(name, results), args.results_dir)
+    progress(f"wrote {args.results_dir / name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
