@@ -45,6 +45,7 @@ from bench.run import (  # noqa: E402
     run_probe,
     start_corechat,
     stream_chat,
+    weight_bytes_per_token,
 )
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
@@ -153,6 +154,7 @@ def run(rounds: int, formats: list[str], quick: bool) -> dict:
     slots = Settings.model_fields["max_running"].default
     progress("machine: read bandwidth and peak multiply-add rates")
     results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats,
+               "weight_bytes_per_token": {fmt: weight_bytes_per_token(model_dir, fmt)["bytes_per_token"] for fmt in formats},
                "sizes": {"reply_tokens": reply_tokens, "stream_counts": list(STREAM_COUNTS), "slots": slots,
                          "conversations": vars(sizes)}}
     with tempfile.TemporaryDirectory(prefix="corechat-versus-") as scratch:
@@ -225,6 +227,11 @@ def render(name: str, results: dict) -> str:
             theirs = [value_of(figures[f"llama.cpp {fmt}"], key) for figures in rounds]
             ratios = ", ".join(f"{a / b:.2f}x" if b else "-" for a, b in zip(mine, theirs, strict=True))
             lines.append(f"| {label} ({unit}) | {spread(mine, digits)} | {spread(theirs, digits)} | {ratios} |")
+        bound = probes["read_bytes_per_second"] / results["weight_bytes_per_token"][fmt]
+        decode = [figures[f"corechat {fmt}"]["decode_tokens_per_second"] for figures in rounds]
+        lines += ["", f"corechat {fmt}'s one-stream decode reads {statistics.median(decode) / bound:.2f} of the read "
+                  f"bandwidth (median; a step reads {results['weight_bytes_per_token'][fmt] / 1e9:.3f} GB of weights: "
+                  f"{bound:.0f} tokens/s at the bandwidth)."]
         tokens = {figures[f"{server} {fmt}"]["short_prompt_tokens"] for figures in rounds for server in ("corechat", "llama.cpp")}
         lines += ["", f"Both made {tokens.pop()} prompt tokens of the short chat: the same template and tokenizer."
                   if len(tokens) == 1 else f"**The prompts differ** ({sorted(tokens)} tokens of the short chat): the "

@@ -102,7 +102,7 @@ def test_the_table_gives_medians_over_rounds_and_each_rounds_ratio_to_llama_cpp(
     theirs = [figures(decode, 2.0, 800_000_000, 41) for decode in (40.0, 40.0, 50.0)]
     mine = [figures(decode, first, 1_200_000_000, 41) for decode, first in ((48.0, 1.0), (60.0, 1.2), (50.0, 0.8))]
     rounds = [{"corechat int8": ours, "llama.cpp int8": peer} for ours, peer in zip(mine, theirs, strict=True)]
-    results = {"formats": ["int8"], "rounds": rounds, "sizes": {},
+    results = {"formats": ["int8"], "rounds": rounds, "sizes": {}, "weight_bytes_per_token": {"int8": 0.5e9},
                "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
                                   "peak_multiply_adds_per_second": {"avx2": 2e11}}}
     table = render("test", results)
@@ -110,5 +110,6 @@ def test_the_table_gives_medians_over_rounds_and_each_rounds_ratio_to_llama_cpp(
     assert "| first token, ~850-token prompt (s) | 1.00 (0.80-1.20) | 2.00 (2.00-2.00) | 0.50x, 0.60x, 0.40x |" in table
     assert "| PSS of all processes (GB) | 1.20 (1.20-1.20) | 0.80 (0.80-0.80) | 1.50x, 1.50x, 1.50x |" in table
     assert "the same template and tokenizer" in table and "Read bandwidth 40.0 GB/s" in table
+    assert "reads 0.62 of the read bandwidth" in table  # 50 tokens/s of 80 at 40 GB/s and 0.5 GB a token
     rounds[1]["llama.cpp int8"]["short_prompt_tokens"] = 40
     assert "**The prompts differ** ([40, 41] tokens" in render("test", results)
