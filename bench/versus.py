@@ -77,11 +77,11 @@ def short(tag: str) -> list[dict]:
 def measure(url: str, pids: list[int], reply_tokens: int, sizes: Sizes | None, long_prompts: dict[str, int]) -> dict:
     """Run the scenarios against one server (its processes `pids`)."""
     tag = uuid.uuid4().hex[:8]
-    warm = stream_chat(url, short(f"warm {tag}"), 8)
+    warm = stream_chat(url, short("template check"), 8)
     singles = [stream_chat(url, short(f"{tag} {index}"), reply_tokens) for index in range(3)]
     figures = {"decode_tokens_per_second": statistics.median(run.decode_tokens_per_second for run in singles),
                "short_first_token_seconds": statistics.median(run.first_token_seconds for run in singles),
-               # The same chat template and tokenizer make as many tokens of the same chat.
+               # The same chat template and tokenizer make as many tokens of the same chat (a fixed one).
                "short_prompt_tokens": warm.prompt_tokens,
                "errors": [run.error for run in (warm, *singles) if run.error]}
     for streams in STREAM_COUNTS:
