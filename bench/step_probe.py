@@ -4,14 +4,16 @@
 loads the 0.5B dev model as a worker does and drives the runner its engine drives
 (service/engine/runners.py: the lean forward over the page pool):
 - decode: `rows` sequences of a ~40-token chat prompt each decode as one batch; the median wall
-  time of a step, then one profiled run that splits its time into the fused layer operators
-  (corechat::attention_inputs, ::mlp, ::rms_norm: norms, products, rotary, activations), the
-  output layer's product (corechat::quantized_linear at top level), attention
-  (corechat::paged_attention), the other torch operators (embedding, rotary tables), and what is
-  left: Python between the operators. Sampling is timed apart (greedy and top-p over the step's
-  logits, all rows in the engine's one call, the median of several).
-- prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way,
-  with the products' multiply-adds per second.
+  time of a step, then one profiled run that splits its time into the decoder layers (one
+  corechat::run_layers call for a quantized model: norms, products, rotary, attention,
+  activations), the output layer's product (corechat::quantized_linear at top level), the other
+  torch operators (embedding, rotary tables), and what is left: Python between the operators.
+  Sampling is timed apart (greedy and top-p over the step's logits, all rows in the engine's one
+  call, the median of several).
+- prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way;
+  its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
+  every chunk, on random keys at the same positions) to split the layers' time into attention and
+  the rest (products, norms, rotary), whose multiply-adds per second the table gives.
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
 its neighbours' cores). It prints a table and writes bench/results/step.json and .md with the CPU,
 date and commit.
@@ -38,9 +40,9 @@ PROMPT = [{"role": "user", "content": "Tell me about the history of bread, brief
 CHUNK = Settings.model_fields["prefill_chunk_tokens"].default
 # The profiler's names of each part; every one is a top-level operator (its total includes its children).
 PARTS = {
-    "layer operators": ("corechat::attention_inputs", "corechat::mlp", "corechat::rms_norm"),
+    "decoder layers": ("corechat::run_layers", "corechat::attention_inputs", "corechat::mlp", "corechat::rms_norm",
+                       "corechat::paged_attention"),
     "output product": ("corechat::quantized_linear", "aten::linear"),
-    "attention": ("corechat::paged_attention",),
 }
 SAMPLING_REPEATS = 9
 
@@ -105,8 +107,33 @@ def measure_prompt(runner, tokens: int, multiply_adds_per_token: int) -> dict:
         wall = time.perf_counter() - began
         runner.release(kv)
     parts = split(profiled.key_averages(), wall, 1)
+    parts["attention (replayed)"] = replay_attention(runner, tokens)
+    products = parts["decoder layers"] - parts["attention (replayed)"]
     return {"tokens": tokens, "seconds": wall, "parts": parts,
-            "product_multiply_adds_per_second": multiply_adds_per_token * tokens / parts["layer operators"]}
+            "product_multiply_adds_per_second": multiply_adds_per_token * tokens / products}
+
+
+def replay_attention(runner, tokens: int) -> float:
+    """Time the paged attention calls of a prompt pass alone: every chunk's, every layer's."""
+    layers, kv_heads, head_dim = runner.lean.shape
+    heads = runner.lean.model.config.num_attention_heads
+    scaling = runner.lean.model.model.layers[0].self_attn.scaling
+    seconds = 0.0
+    with torch.inference_mode():
+        kv = runner.reserve(tokens)
+        table = kv.table.unsqueeze(0)
+        for start in range(0, tokens, CHUNK):
+            count = min(CHUNK, tokens - start)
+            query = torch.randn(count, heads, head_dim).bfloat16()
+            keys, values = torch.randn(count, kv_heads, head_dim).bfloat16(), torch.randn(count, kv_heads, head_dim).bfloat16()
+            rows, positions = torch.zeros(count, dtype=torch.long), torch.arange(start, start + count)
+            began = time.perf_counter()
+            for layer in range(layers):
+                torch.ops.corechat.paged_attention(query, keys, values, runner.pool.storage, layer, table, rows, positions,
+                                                   scaling)
+            seconds += time.perf_counter() - began
+        runner.release(kv)
+    return seconds
 
 
 def layer_multiply_adds(runner) -> int:
@@ -131,10 +158,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "decode": [], "prompt": []}
     part_names = list(PARTS) + ["other operators", "python"]
+    prompt_names = ["decoder layers", "attention (replayed)", *part_names[1:]]
     decode_lines = ["| DTYPE | rows | step | " + " | ".join(part_names) + " | sampling (greedy / top-p), all rows |",
                     "|---|---|---|" + "---|" * len(part_names) + "---|"]
-    prompt_lines = ["| DTYPE | prompt tokens | pass | " + " | ".join(part_names) + " | products, G multiply-adds/s |",
-                    "|---|---|---|" + "---|" * len(part_names) + "---|"]
+    prompt_lines = ["| DTYPE | prompt tokens | pass | " + " | ".join(prompt_names) + " | products, G multiply-adds/s |",
+                    "|---|---|---|" + "---|" * len(prompt_names) + "---|"]
     for dtype in args.dtypes:
         runner, tokenizer = load_dev_runner(dtype)
         prompt_ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
@@ -152,14 +180,14 @@ def main() -> None:
             run = {"dtype": dtype, **measure_prompt(runner, tokens, layer_multiply_adds(runner))}
             results["prompt"].append(run)
             seconds = run["seconds"]
-            parts = " | ".join(f"{run['parts'][name]:.2f} s ({run['parts'][name] / seconds:.0%})" for name in part_names)
+            parts = " | ".join(f"{run['parts'][name]:.2f} s ({run['parts'][name] / seconds:.0%})" for name in prompt_names)
             prompt_lines.append(f"| {dtype} | {tokens} | {seconds:.2f} s | {parts} | "
                                 f"{run['product_multiply_adds_per_second'] / 1e9:.0f} |")
         del runner
     table = "\n".join([
         f"Qwen2.5-0.5B-shaped dev model, {args.threads} thread(s).", "", "### Decode step (~40-token context)", "",
-        *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; products = the layer operators, norms and "
-        "rotary included)", "", *prompt_lines, ""])
+        *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
+        "= the layers less the attention, norms and rotary included)", "", *prompt_lines, ""])
     save_results("step", results, table)
 
 

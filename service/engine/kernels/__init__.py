@@ -31,7 +31,7 @@ LIBRARY_NAME = "libcorechat_kernels.so"
 COMPILER = "g++"
 COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall")
 BASELINE_SOURCES = ("reference.cpp",)
-# The torch operators (ATen and torch's headers), built for the baseline instruction set.
+# The torch operators (ATen and torch's headers).
 OPERATOR_SOURCES = ("ops.cpp", "layer.cpp")
 # at::parallel_for is a header template: built without OpenMP it runs every range on one thread.
 # The library links the libgomp torch ships (found through torch's lib folder), never a second one.
@@ -119,12 +119,16 @@ def virtualenv_dir() -> Path:
 def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list[list[str]], list[str]]:
     """Return the compile command of each object file and the link command."""
     torch_dir = Path(torch.__file__).resolve().parent
-    units = [(name, ()) for name in BASELINE_SOURCES]
+    # A build is this CPU's (build_key): the reference and the operators' element-wise loops (norms,
+    # rotary, rounding activations) are compiled for its best instruction set, which vectorizes
+    # them; without -ffast-math and with -ffp-contract=off their bits are the plain C++'s.
+    best = sets[-1].compiler_flags if sets else ()
+    units = [(name, best) for name in BASELINE_SOURCES]
     units += [(isa.source, isa.compiler_flags) for isa in sets]
     defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    units += [(source, (*OPS_FLAGS, abi, *defines, *includes)) for source in OPERATOR_SOURCES]
+    units += [(source, (*best, *OPS_FLAGS, abi, *defines, *includes)) for source in OPERATOR_SOURCES]
     compiles, objects = [], []
     for source, flags in units:
         target = build_dir / (Path(source).stem + ".o")

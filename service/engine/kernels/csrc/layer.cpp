@@ -129,9 +129,8 @@ struct Products {
                     outputs.size() == count, block, " takes ", count, " products");
     }
 
-    at::Tensor apply(size_t index, const at::Tensor& input) const {
-        return quantized_linear(input, weights[index], scales[index], biases.get(index), format, outputs[index],
-                                false, 0);
+    at::Tensor apply(size_t index, const QuantizedInput& input) const {
+        return product(input, weights[index], scales[index], biases.get(index), format, outputs[index], false, 0);
     }
 };
 
@@ -152,7 +151,8 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
                 "cos and sin must be [rows, head_dim]");
     for (size_t index = 0; index < 3; ++index)
         TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
-    const at::Tensor states = rms_norm(hidden, norm_weight, eps);
+    // Rounded once for the three products.
+    const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps));
     std::vector<at::Tensor> results;
     for (size_t index = 0; index < 3; ++index) results.push_back(products.apply(index, states));
     rotate(results[0], head_dim, cos, sin);
@@ -174,14 +174,15 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     TORCH_CHECK(outputs[0] == hidden.size(1) && outputs[3] == hidden.size(1),
                 "the output and down products must give hidden's width, ", hidden.size(1));
     TORCH_CHECK(outputs[1] == outputs[2], "the gate and up products must have the same width");
-    at::Tensor sum = products.apply(0, attended);
+    at::Tensor sum = products.apply(0, quantize_input(attended));
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
-    const at::Tensor states = rms_norm(sum, norm_weight, eps);
+    // Rounded once for gate and up.
+    const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps));
     // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
     at::Tensor activation = at::silu(products.apply(1, states));
     activation.mul_(products.apply(2, states));
-    at::Tensor down = products.apply(3, activation);
+    at::Tensor down = products.apply(3, quantize_input(activation));
     add_into(sum, down);
     return sum;
 }

@@ -92,20 +92,34 @@ void check_cpu(const at::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.is_cpu(), name, " must be a CPU tensor, not one on ", tensor.device());
 }
 
-at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
-                            bool float32_output, int64_t path) {
+QuantizedInput quantize_input(const at::Tensor& input) {
     check_cpu(input, "input");
-    check_cpu(weight, "weight");
-    check_cpu(scales, "scales");
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
                 "input must be bfloat16 or float32");
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
-                "weight and scales must be contiguous");
-    const int64_t rows = input.size(0), inputs = input.size(1), stored = weight.size(0);
+    const int64_t rows = input.size(0), inputs = input.size(1);
     // A width of 0 would divide by zero when the rows are shared among threads.
     TORCH_CHECK(inputs > 0 && inputs % kBlock == 0, "the input width must be a positive multiple of ", kBlock);
+    const int64_t blocks = inputs / kBlock;
+    QuantizedInput x{at::empty({rows, inputs}, input.options().dtype(at::kChar)),
+                     at::empty({rows, blocks}, input.options().dtype(at::kFloat)),
+                     at::empty({rows, blocks}, input.options().dtype(at::kInt))};
+    const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
+    at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
+        quantize_rows(input.const_data_ptr(), bfloat16_input, inputs, begin, end, x.values.data_ptr<int8_t>(),
+                      x.scales.data_ptr<float>(), x.sums.data_ptr<int32_t>(), inputs);
+    });
+    return x;
+}
+
+at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs, bool float32_output,
+                   int64_t path) {
+    check_cpu(weight, "weight");
+    check_cpu(scales, "scales");
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
+                "weight and scales must be contiguous");
+    const int64_t rows = input.values.size(0), inputs = input.values.size(1), stored = weight.size(0);
     TORCH_CHECK(outputs > 0 && stored == padded_outputs(outputs),
                 "weight must hold the outputs padded to a multiple of ", kTileOutputs, " rows");
     TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (weights stored with their offset)");
@@ -127,26 +141,22 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
         bias_data = bias->data_ptr<float>();
     }
     const MatmulKernel kernel = select_matmul(path);
-
-    at::Tensor values = at::empty({rows, inputs}, input.options().dtype(at::kChar));
-    at::Tensor block_scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
-    at::Tensor block_sums = at::empty({rows, blocks}, input.options().dtype(at::kInt));
-    const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
-        quantize_rows(input.const_data_ptr(), bfloat16_input, inputs, begin, end, values.data_ptr<int8_t>(),
-                      block_scales.data_ptr<float>(), block_sums.data_ptr<int32_t>(), inputs);
-    });
-    QuantizedRows x{values.const_data_ptr<int8_t>(), block_scales.const_data_ptr<float>(),
-                    block_sums.const_data_ptr<int32_t>(), rows, inputs};
+    QuantizedRows x{input.values.const_data_ptr<int8_t>(), input.scales.const_data_ptr<float>(),
+                    input.sums.const_data_ptr<int32_t>(), rows, inputs};
     Weights w{static_cast<int>(format), weight.const_data_ptr<uint8_t>(), scales.const_data_ptr(), outputs, inputs};
-
-    at::Tensor output = at::empty({rows, outputs}, input.options().dtype(float32_output ? at::kFloat : at::kBFloat16));
+    at::Tensor output = at::empty({rows, outputs}, input.values.options().dtype(float32_output ? at::kFloat : at::kBFloat16));
     Output out{output.data_ptr(), outputs, !float32_output};
     // Whole tiles per task, at least four, and enough bytes each that waking a thread pays.
     const int64_t tile_bytes = blocks * block_bytes(static_cast<int>(format));
     at::parallel_for(0, stored / kTileOutputs, std::max<int64_t>(4, kParallelBytes / tile_bytes),
                      [&](int64_t begin, int64_t end) { kernel(x, w, bias_data, out, begin, end); });
     return output;
+}
+
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
+                            bool float32_output, int64_t path) {
+    return product(quantize_input(input), weight, scales, bias, format, outputs, float32_output, path);
 }
 
 namespace {

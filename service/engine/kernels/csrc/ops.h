@@ -11,6 +11,22 @@ namespace corechat {
 // Refuse a tensor that is not in the CPU's memory (a meta or device tensor): the kernels read it directly.
 void check_cpu(const at::Tensor& tensor, const char* name);
 
+// Activations rounded to int8 per block (kernels.h: QuantizedRows), as tensors.
+struct QuantizedInput {
+    at::Tensor values;  // int8 [rows, cols]
+    at::Tensor scales;  // float32 [rows, cols / 32]
+    at::Tensor sums;    // int32 [rows, cols / 32]
+};
+
+// Round a contiguous bfloat16 or float32 matrix's rows for the products: once per input, however
+// many products take it.
+QuantizedInput quantize_input(const at::Tensor& input);
+
+// A rounded input times a stored weight (kernels.h), plus the float32 bias.
+at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs, bool float32_output,
+                   int64_t path);
+
 // torch.ops.corechat.quantized_linear: input [rows, inputs] (bfloat16 or float32) times a stored
 // weight (kernels.h), plus the float32 bias, as bfloat16 or float32 [rows, outputs]; path 0 is
 // the best this CPU runs.
