@@ -55,8 +55,8 @@ PEER_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
 CONTEXT_TOKENS = 8192
 REPLY_TOKENS = 128
 STREAM_COUNTS = (4, 8)
-# User sentences (16 tokens each) of the long prompts: about 850 and 5,000 tokens with the template.
-LONG_PROMPTS = {"850": 52, "5000": 312}
+# User sentences (15 tokens each) of the long prompts: about 850 and 5,000 tokens with the template.
+LONG_PROMPTS = {"850": 57, "5000": 334}
 
 
 def formats_for(dtype: str) -> list[str]:
