@@ -66,8 +66,8 @@ test-deploy:
 	@$(MAKE) --no-print-directory install-packages PACKAGES="debootstrap systemd-container"
 	python3 deploy/test/run.py
 
-# The benchmark beside llama.cpp's llama-server (minutes; builds the 0.5B dev model and llama.cpp
-# once under ~/.cache/corechat, about 10 minutes the first time); see docs/performance.md.
+# The benchmark, then beside llama.cpp's llama-server in alternating rounds (about an hour; builds the 0.5B dev model and llama.cpp
+# once under ~/.cache/corechat, about 10 minutes the first time); see docs/benchmark.md.
 bench: setup system-deps
 	$(PY) bench/run.py --peer
 
