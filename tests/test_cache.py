@@ -215,10 +215,15 @@ def read_stream(response) -> str:
 
 
 def wait_until_cached(app, body, timeout: float = 10) -> None:
-    """Send a request until it is a hit (the breaker lets the store back in after a short pause)."""
+    """Send a request until it is a hit (the breaker lets the store back in after a short pause).
+
+    Each reply is read to its end: a stream dropped unread cancels its generation, which is then never stored.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if post(app, body).headers["X-Cache"] == "hit":
+        response = post(app, body)
+        response.get_data()
+        if response.headers["X-Cache"] == "hit":
             return
         time.sleep(0.1)
     raise AssertionError("the cache did not recover")
