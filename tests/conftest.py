@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import TINY_MODEL_DIR
 from service.app import create_app
 from service.settings import Settings
-from support import TINY_MODEL_DIR
 
 
 def pytest_configure(config):
@@ -77,7 +77,7 @@ def client(app):
 @pytest.fixture(scope="session")
 def gunicorn_server(tiny_model_dir, tmp_path_factory):
     """Run corechat under real Gunicorn with 2 workers on the tiny model, shared by the test session."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(
         tmp_path_factory.mktemp("gunicorn"),
@@ -92,7 +92,7 @@ def gunicorn_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_server(tiny_model_dir, tmp_path_factory):
     """Run Gunicorn as `make serve` does (2 workers, every setting at its default) on the tiny model."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(tmp_path_factory.mktemp("default-gunicorn"), workers=2) as server:
         yield server
@@ -104,7 +104,8 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
 
     A third concurrent request gets a 503, and max_tokens may go up to 32000 for endless replies.
     """
-    from support import TEST_API_KEY, GunicornServer
+    from harness import GunicornServer
+    from support import TEST_API_KEY
 
     with GunicornServer(
         tmp_path_factory.mktemp("keyed-gunicorn"),
@@ -121,7 +122,7 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture()
 def redis_server(tmp_path):
     """Run a real redis-server on a free port for one test."""
-    from support import RedisServer
+    from harness import RedisServer
 
     server = RedisServer(tmp_path).start()
     yield server

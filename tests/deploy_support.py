@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from support import REPO, free_port
+from harness import REPO, free_port
 
 DEPLOY = REPO / "deploy"
 NGINX_SITE = DEPLOY / "nginx" / "corechat.conf"

@@ -3,7 +3,7 @@ looked like once it reached the app.
 
 tests/test_framing.py sends raw bytes and compares what the app saw (its body, Content-Length and
 headers) with what a reference parser decodes from the same bytes. Production code carries no test
-routes, so this module (which Gunicorn imports in each worker, `gunicorn ... echo_app:app`) adds one
+routes, so this module (which Gunicorn imports in each worker, `gunicorn ... tests.echo_app:app`) adds one
 to the app the factory built; everything else is the app `make serve` runs.
 """
 

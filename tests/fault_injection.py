@@ -1,7 +1,7 @@
 """A WSGI entry point for engine fault tests: the real app, in workers whose engine fails on cue.
 
 The engine has no fault hooks of its own (production code carries no test switches), so this
-module, which Gunicorn imports in each worker after fork (`gunicorn ... fault_injection:app`),
+module, which Gunicorn imports in each worker after fork (`gunicorn ... tests.fault_injection:app`),
 patches two engine methods there to raise where a real bug would: a sequence's bookkeeping of the
 token it took (what a tokenizer's DecodeStream raising in the same step looks like to the engine) and
 the engine loop itself. The

@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import redis
 
-from support import RedisServer, free_port
+from harness import RedisServer, free_port
 
 
 class SentinelGroup:

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from loadgen import chat_exchange, probe_exchanges, run_exchanges
+from harness import COUNTING, chat, send_until_every_worker_served, value, wait_for_samples
+from harness.loadgen import chat_exchange, probe_exchanges, run_exchanges
 from service.settings import Settings
-from support import COUNTING, chat, send_until_every_worker_served, value, wait_for_samples
 
 pytestmark = pytest.mark.serial
 

@@ -4,11 +4,11 @@ instruction-set path, for a prompt's token and a decode step alike, whatever els
 import pytest
 import torch
 
+from harness import anonymous_megabytes
 from service.engine import kernels
 from service.engine.kvpool import PagePool
 from service.engine.memory import PAGE_TOKENS, KVBudget
 from service.settings import Settings
-from support import anonymous_megabytes
 
 HEADS, KV_HEADS, DIM, LAYERS = 14, 2, 64, 3
 

@@ -158,7 +158,7 @@ def test_keys_are_hidden_in_the_settings_repr(make_settings):
 @pytest.fixture(scope="module")
 def keyed_gunicorn(tiny_model_dir, tmp_path_factory):
     """Run one Gunicorn worker that needs a key, allows one origin and has two request places."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(
         tmp_path_factory.mktemp("keyed"), workers=1, api_keys=",".join(KEYS), cors_origins=ALLOWED_ORIGIN,
@@ -189,7 +189,7 @@ def test_keys_over_real_gunicorn_and_never_in_its_log(keyed_gunicorn):
 def test_an_allowed_page_can_read_the_workers_own_503_and_its_retry_after(keyed_gunicorn):
     """The event loop refuses a request beyond the places before the app (and its CORS hook) sees
     it: the refusal carries the CORS headers itself."""
-    from support import StreamingClient, hang_up_all
+    from harness import StreamingClient, hang_up_all
 
     endless = {"messages": USER, "max_tokens": 30000, "stream": True}
     holders = [StreamingClient(keyed_gunicorn.url, endless, headers=bearer(KEYS[0])) for _ in range(2)]

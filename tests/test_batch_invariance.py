@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness import ready_facts
 from service.engine import Engine, Failed, SamplingParams, TextDelta, kernels, scheduler
 from service.engine.quantized import FORMATS, quantize_int4, quantize_int8
 from service.settings import Settings
-from support import ready_facts
 
 # Prompt lengths of a batch of uneven sequences (the tiny model handles any).
 LENGTHS = [37, 300, 5, 120, 600, 64, 9, 200]
@@ -251,8 +251,8 @@ def test_replies_over_http_alone_equal_the_same_requests_beyond_capacity(tmp_pat
 
     import requests
 
+    from harness import GunicornServer
     from service.settings import Settings
-    from support import GunicornServer
 
     defaults = Settings()
     with GunicornServer(tmp_path_factory.mktemp("invariance"), workers=defaults.worker_count) as server:

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from support import REPO
+from harness import REPO
 
 SCENARIOS = [
     "scenario_1_short_prompt",

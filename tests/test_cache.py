@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import pytest
 
+from harness import RedisServer
 from service.api.chat_request import parse_chat_request
 from service.app import create_app
 from service.cache import CachedReply, cache_key
 from service.cache.entries import FlightRecord, flight_key, is_complete, lock_key, reply_key
 from service.engine import Finished, SamplingParams, TextDelta
-from support import RedisServer
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 GREEDY = {"messages": USER, "max_tokens": 12, "temperature": 0}

@@ -18,7 +18,7 @@ import redis as redis_client
 import requests
 from transformers import AutoTokenizer
 
-from support import (
+from harness import (
     GunicornServer,
     RedisServer,
     StreamingClient,

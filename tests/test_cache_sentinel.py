@@ -16,10 +16,10 @@ import redis
 import requests
 from redis.sentinel import SentinelManagedSSLConnection
 
+from harness import GunicornServer, RedisServer
 from sentinel_support import SentinelGroup
 from service.cache.connections import RedisConnector, SentinelURL, is_sentinel_url, parse_sentinel_url
 from service.settings import Settings
-from support import GunicornServer, RedisServer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from support import REPO, TEST_API_KEY, scrape, value
+from harness import REPO, scrape, value
+from support import TEST_API_KEY
 
 STATIC_DIR = REPO / "service" / "static"
 ARTIFACTS = REPO / "artifacts"
@@ -383,7 +384,7 @@ fetch(url, {
 def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, tiny_model_dir,
                                                                       tmp_path):
     """A real browser's preflight and cross-origin stream: 127.0.0.1:port is allowed, localhost:port is not."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     api = GunicornServer(
         tmp_path, workers=1, api_keys=TEST_API_KEY,

@@ -8,10 +8,10 @@ import openai
 import pytest
 import requests
 
-from contract import sse_payloads
+from harness import GunicornServer, sse_payloads
 from service.api.responses import ChatCompletionChunk, CompletionChunk
 from service.engine import SamplingParams
-from support import GunicornServer, wait_until
+from support import wait_until
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]
 PROMPT = "Once upon a time, in a land of caches,"

@@ -8,9 +8,9 @@ import openai
 import pytest
 import requests
 
-from contract import sse_payloads
+from harness import GunicornServer, sse_payloads
 from service.api.responses import Completion, CompletionChunk
-from support import TEST_API_KEY, GunicornServer
+from support import TEST_API_KEY
 
 PROMPT = "Once upon a time, in a land of caches,"
 HELLO = 9707  # "Hello" in Qwen2.5's vocabulary, which the tiny dev model has

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from harness import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 from service.engine.cores import LOAD_WINDOW_SECONDS, MachineLoad, SharedCores, busy_cpu_seconds, no_sharing
 from service.topology import physical_cores
-from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
 
 CORES = 2
 # A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).

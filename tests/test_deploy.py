@@ -21,8 +21,8 @@ from deploy_support import (
     render_nginx_site,
     write_nginx_main,
 )
+from harness import REPO, GunicornServer, free_port
 from service.settings import Settings
-from support import REPO, GunicornServer, free_port
 
 UNIT = DEPLOY / "systemd" / "corechat.service"
 INSTALL = DEPLOY / "install.sh"

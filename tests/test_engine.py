@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from harness import file_mappings
 from service.app import create_app
 from service.engine import (
     Engine,
@@ -19,7 +20,6 @@ from service.engine import (
     Started,
     TextDelta,
 )
-from support import file_mappings
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 # The tiny model's weights are random, so its replies to PROMPT, greedy or seeded as below, run for

@@ -16,7 +16,8 @@ import pytest
 import requests
 
 from fault_injection import LOOP_FAULT_SEED, SEQUENCE_FAULT_SEED
-from support import COUNTING, REPO, GunicornServer, free_port, wait_until
+from harness import COUNTING, REPO, GunicornServer, free_port
+from support import wait_until
 
 # Generations outlast each test step; MAX_GENERATION_SECONDS ends them in bounded time.
 ENDLESS = {"messages": COUNTING, "max_tokens": 30_000, "temperature": 0, "stream": True}
@@ -30,7 +31,7 @@ def fault_server(tiny_model_dir, tmp_path_factory):
     with GunicornServer(
         tmp_path_factory.mktemp("engine-faults"),
         workers=1,
-        app="fault_injection:app",
+        app="tests.fault_injection:app",
         max_tokens_limit=100_000,
         max_generation_seconds=40,
         sse_ping_seconds=0.2,

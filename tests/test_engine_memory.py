@@ -9,9 +9,9 @@ import requests
 import torch
 
 from devtools.devmodel import make_model_config
+from harness import GunicornServer
 from service.engine.memory import PAGE_TOKENS, KVBudget, kv_bytes_per_token, pages_needed
 from service.settings import Settings
-from support import GunicornServer
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 

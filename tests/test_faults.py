@@ -13,7 +13,8 @@ import time
 import pytest
 import requests
 
-from support import COUNTING, GunicornServer, ready_facts, wait_until
+from harness import COUNTING, GunicornServer, ready_facts
+from support import wait_until
 
 # Long enough to outlast every test step; the server's max_generation_seconds ends it in bounded time.
 ENDLESS = {"messages": COUNTING, "max_tokens": 30_000, "temperature": 0}

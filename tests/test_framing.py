@@ -18,10 +18,11 @@ from pathlib import Path
 import h11
 import pytest
 
+from harness import GunicornServer
 from service.api.nesting import MAX_JSON_DEPTH
 from service.process.arrival import FRAMING_BASE_BYTES, FRAMING_BODY_SHARE
 from service.settings import Settings
-from support import GunicornServer, wait_until
+from support import wait_until
 
 DEFAULTS = Settings.model_construct()
 SECRET = "sk-framing-test-secret-0123456789"
@@ -39,7 +40,7 @@ def server(tmp_path_factory):
     statsd.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
     statsd.bind(("127.0.0.1", 0))
     statsd.setblocking(False)
-    gunicorn = GunicornServer(tmp_path_factory.mktemp("framing"), app="echo_app:app")
+    gunicorn = GunicornServer(tmp_path_factory.mktemp("framing"), app="tests.echo_app:app")
     gunicorn.env["GUNICORN_CMD_ARGS"] = f"--statsd-host=127.0.0.1:{statsd.getsockname()[1]}"
     gunicorn.statsd = statsd
     with gunicorn:

@@ -9,15 +9,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import (
-    COUNTING,
-    anonymous_megabytes,
-    chat,
-    ready_facts,
-    send_until_every_worker_served,
-    stream_lines,
-    wait_until,
-)
+from harness import COUNTING, anonymous_megabytes, chat, ready_facts, send_until_every_worker_served, sse_stream
+from support import wait_until
 
 
 def test_stream_over_real_http(gunicorn_server):
@@ -29,7 +22,7 @@ def test_stream_over_real_http(gunicorn_server):
     ) as response:
         assert response.status_code == 200
         assert response.headers["Content-Type"].startswith("text/event-stream")
-        payloads = list(stream_lines(response))
+        payloads = list(sse_stream(response.iter_lines(decode_unicode=True)))
     assert payloads[-1] == "[DONE]"
     assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
     assert payloads[-2]["choices"][0]["finish_reason"] == "length"  # seeded: runs to max_tokens
@@ -60,7 +53,7 @@ def test_health_answers_fast_during_a_long_stream(gunicorn_server):
             stream=True,
             timeout=120,
         ) as response:
-            for payload in stream_lines(response):
+            for payload in sse_stream(response.iter_lines(decode_unicode=True)):
                 first_chunk.set()
                 if payload == "[DONE]":
                     finished["done_at"] = time.monotonic()
@@ -89,7 +82,7 @@ def test_stream_longer_than_gunicorn_timeout_completes(gunicorn_server):
         timeout=120,
     ) as response:
         payloads = []
-        for payload in stream_lines(response):
+        for payload in sse_stream(response.iter_lines(decode_unicode=True)):
             payloads.append(payload)
             if time.monotonic() - began < 4.5 and payload != "[DONE]":
                 time.sleep(0.01)  # read slowly, so the stream outlives the timeout
@@ -126,8 +119,8 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
 
 def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
     """Pinned to its own cores, a worker counted the cores it could still see: `workers: 1` while two ran."""
+    from harness import GunicornServer, scrape
     from service.topology import physical_cores
-    from support import GunicornServer, scrape
 
     server = GunicornServer(tmp_path, workers=physical_cores(), pin_workers=True)
     server.env["WORKERS"] = "0"  # the default, one worker per physical core
@@ -165,7 +158,7 @@ def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset)
     Empty (the example environment file's commented default, uncommented) means the default too."""
     import tempfile
 
-    from support import GunicornServer
+    from harness import GunicornServer
 
     if unset:
         monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
@@ -179,7 +172,7 @@ def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset)
 
 def test_master_keeps_a_chosen_metrics_folder(tmp_path):
     """A folder the operator chose outlives the master."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     chosen = tmp_path / "metrics"
     with master_only(GunicornServer(tmp_path, workers=1, prometheus_multiproc_dir=chosen)):
@@ -190,7 +183,7 @@ def test_master_keeps_a_chosen_metrics_folder(tmp_path):
 def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
     """oneDNN keeps a compiled primitive per prompt length (1,024 by default), each holding memory;
     gunicorn.conf.py caps them, so 70 new lengths leave a worker's memory as it was."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(tmp_path, workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:
         worker = server.worker_pids()[0]

@@ -6,7 +6,7 @@ import shutil
 
 import requests
 
-from support import GunicornServer, finished_by_worker
+from harness import GunicornServer, finished_by_worker
 
 REPLY_TOKENS = 24
 MOST_TRIES = 30

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import cpu_ticks_by_thread
 from kernel_misuse import CASES as MISUSE_CASES
 from service.engine import kernels
 from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8
 from service.settings import Settings
-from support import cpu_ticks_by_thread
 
 MAX_RUNNING = Settings().max_running
 # (outputs, inputs): odd output counts, one block, an odd number of blocks (int8 only: int4 pairs

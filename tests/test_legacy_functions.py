@@ -10,7 +10,7 @@ import pytest
 import requests
 from jsonschema import Draft202012Validator
 
-from support import GunicornServer
+from harness import GunicornServer
 
 PARAMETERS = {
     "type": "object",

@@ -47,7 +47,7 @@ def test_body_over_the_size_limit_gets_413(limited_client):
 @pytest.fixture(scope="module")
 def limited_gunicorn(tiny_model_dir, tmp_path_factory):
     """Run one Gunicorn worker with a 4 KiB body limit."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(
         tmp_path_factory.mktemp("limits"), workers=1, max_request_bytes=4096

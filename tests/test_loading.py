@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from harness import REPO, file_mappings, free_port
 from service.engine.loading import ModelNotFound, load_model, map_safetensors, resolve_model_dir
-from support import REPO, file_mappings, free_port
 
 
 def test_missing_folder_names_the_fix(tmp_path):

@@ -9,7 +9,7 @@ import openai
 import pytest
 import requests
 
-from support import GunicornServer
+from harness import GunicornServer
 
 USER = [{"role": "user", "content": "Tell me about the sea."}]
 HELLO = 9707  # "Hello" in Qwen2.5's vocabulary, which the tiny dev model has

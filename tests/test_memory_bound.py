@@ -18,9 +18,9 @@ import pytest
 import requests
 
 from devtools.devmodel import build_dev_model
+from harness import GunicornServer, ready_facts
 from service.engine.memory import PAGE_TOKENS
 from service.settings import Settings
-from support import GunicornServer, ready_facts
 
 MIB = 1024 * 1024
 # What a worker's anonymous memory may grow by beyond KV_CACHE_MB while it serves: a decode

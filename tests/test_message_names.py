@@ -8,8 +8,8 @@ import openai
 import pytest
 import requests
 
+from harness import GunicornServer
 from service.api.chat_request import ChatMessage
-from support import GunicornServer
 
 # Qwen2.5's user turn, with the speaker's name after the role when the message has one.
 STOCK_USER_TURN = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"

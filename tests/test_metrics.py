@@ -14,12 +14,7 @@ import requests
 from prometheus_client import REGISTRY
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from service.cache import Flight
-from service.cache.entries import CachedReply
-from service.engine import Finished, SamplingParams, TextDelta
-from service.observability import metrics
-from service.observability.observed import EngineWork, ObservedGeneration
-from support import (
+from harness import (
     COUNTING,
     chat,
     parse_samples,
@@ -29,6 +24,11 @@ from support import (
     value,
     wait_for_samples,
 )
+from service.cache import Flight
+from service.cache.entries import CachedReply
+from service.engine import Finished, SamplingParams, TextDelta
+from service.observability import metrics
+from service.observability.observed import EngineWork, ObservedGeneration
 
 STREAMS = 4
 
@@ -106,7 +106,7 @@ def metrics_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory, metrics_dir):
     """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
-    from support import GunicornServer
+    from harness import GunicornServer
 
     with GunicornServer(
         tmp_path_factory.mktemp("metrics"),
@@ -342,14 +342,14 @@ def test_cancel_mid_generation_returns_running_to_zero_and_counts_cancelled_and_
 
 def test_debug_log_splits_a_streamed_first_token_into_its_parts(client, engine, caplog):
     """The `first token timings` line of a real streamed request: its parts, none negative, add up."""
-    from bench.first_token import parse_timings
+    from harness import parse_first_token_timings
 
     with caplog.at_level("DEBUG", logger="service.observability.observed"):
         response = client.post("/v1/chat/completions", json={"messages": COUNTING, "max_tokens": 3, "stream": True},
                                headers={"Cache-Control": "no-cache"})
         assert response.status_code == 200
         assert response.get_data(as_text=True).endswith("data: [DONE]\n\n")
-    (timings,) = parse_timings(caplog.text)
+    (timings,) = parse_first_token_timings(caplog.text)
     parts = ("before_queue", "queue", "prompt_pass", "after_prompt_pass")
     assert all(timings[part] >= 0 for part in (*parts, "first_write")), timings
     assert sum(timings[part] for part in parts) == pytest.approx(timings["first_token"], abs=0.5)

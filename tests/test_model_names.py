@@ -7,8 +7,8 @@ import openai
 import pytest
 import requests
 
+from harness import GunicornServer
 from service.settings import Settings
-from support import GunicornServer
 
 HUB_ID = "corechat-test/tiny-chat"
 ALIASES = "demo-qwen2.5-0.5b, team-default"

@@ -12,7 +12,8 @@ import pytest
 import requests
 
 from deploy_support import NginxServer
-from support import COUNTING, GunicornServer, wait_until
+from harness import COUNTING, GunicornServer
+from support import wait_until
 
 LONG_REPLY = {"messages": COUNTING, "max_tokens": 1500, "temperature": 0}
 # nginx's read timeout for the stream route in these tests, and the ping interval well inside it.

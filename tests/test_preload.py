@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import GunicornServer, chat, cpu_ticks_by_thread, ready_facts, send_until_every_worker_served, threads_of
 from service.engine import SamplingParams, TextDelta
 from service.settings import Settings
 from service.topology import physical_cores
-from support import GunicornServer, chat, cpu_ticks_by_thread, ready_facts, send_until_every_worker_served, threads_of
 
 PROMPTS = [[{"role": "user", "content": f"Question {number}: what is a lighthouse for?"}] for number in range(3)]
 REPLY_TOKENS = 12

@@ -9,8 +9,8 @@ import redis
 import requests
 
 from contract import assert_matches_contract
+from harness import GunicornServer, RedisServer
 from service.settings import Settings
-from support import GunicornServer, RedisServer
 
 KEYS = ("sk-corechat-alice-0123456789", "sk-corechat-bob-9876543210")
 REDIS_PASSWORD = "redis-secret-hunter2-4f9d"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import service.process
-from support import REPO
+from harness import REPO
 
 # Installed first in the child: refuses the blocked top-level packages and records each attempt.
 REFUSE_IMPORTS = """

@@ -10,7 +10,8 @@ import pytest
 import requests
 import yaml
 
-from support import REPO, TEST_API_KEY, chat, free_port, scrape
+from harness import REPO, chat, free_port, scrape
+from support import TEST_API_KEY
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"

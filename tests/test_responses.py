@@ -8,13 +8,13 @@ produce, validate as a ChatCompletionChunk and render byte for byte as the model
 import pytest
 import requests
 
+from harness import TINY_MODEL_DIR
 from service.api.chat import ChatCompletions, render_logprob
 from service.api.chat_request import parse_chat_request
 from service.api.responses import ChatCompletion, ChatCompletionChunk, Model, ModelList
 from service.api.sse import sse_data
 from service.engine import TokenLogprob
 from service.errors import ErrorResponse
-from support import TINY_MODEL_DIR
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 # Closed objects: a forced call is a bounded number of tokens, so max_tokens never cuts it.

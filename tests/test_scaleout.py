@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from deploy_support import NginxServer, ShippedRedis
-from support import GunicornServer, finished_by_worker, scrape, stream_reply, value
+from harness import GunicornServer, finished_by_worker, scrape, stream_reply, value
 
 CHAT = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "temperature": 0, "seed": 7}
 

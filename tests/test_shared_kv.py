@@ -4,7 +4,7 @@ lands on another host fetches its conversation's KV state and answers with the s
 import pytest
 import requests
 
-from support import GunicornServer, RedisServer, ready_facts
+from harness import GunicornServer, RedisServer, ready_facts
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 QUESTION = "Please keep count of the words I say: " + "apple banana cherry " * 30

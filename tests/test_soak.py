@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from support import REPO
+from harness import REPO
 
 
 def test_quick_soak_passes_every_check(tiny_model_dir, tmp_path):

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import COUNTING, REPO, GunicornServer, scrape, value
 from service.process.listener import STORED_SOCKET_NAME
 from service.process.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL, children, raise_open_files_limit
-from support import COUNTING, REPO, GunicornServer, scrape, value, wait_until
+from support import wait_until
 
 pytestmark = pytest.mark.serial
 

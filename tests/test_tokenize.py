@@ -5,7 +5,8 @@ import openai
 import pytest
 import requests
 
-from support import TEST_API_KEY, GunicornServer
+from harness import GunicornServer
+from support import TEST_API_KEY
 
 KEY = {"Authorization": f"Bearer {TEST_API_KEY}"}
 TEXTS = ["Hello world", "  spaces  and\ttabs\n\nnewlines ", "naïve café, 東京, 🙂👍🏽",

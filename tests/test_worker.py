@@ -10,30 +10,24 @@ import time
 
 import pytest
 
-from loadgen import Exchange, chat_exchange, probe_exchanges, run_exchanges
+from harness import COUNTING, scrape, value, wait_for_samples
+from harness.loadgen import (
+    CHAT,
+    STALLED_PER_KIND,
+    STALLS,
+    Exchange,
+    chat_exchange,
+    probe_exchanges,
+    raw_exchange,
+    run_exchanges,
+)
 from service.settings import Settings
-from support import COUNTING, scrape, value, wait_for_samples
 
 pytestmark = pytest.mark.serial
 
 DEFAULTS = Settings.model_construct()
-CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-# Each way a client can leave a worker waiting for the rest of its request.
-STALLS = {
-    "headers never ended": CHAT,
-    "12 of 1000 body bytes": CHAT + b"Content-Length: 1000\r\n\r\n" + b'{"messages":',
-    "Expect: 100-continue, then no body": CHAT + b"Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n",
-    "chunked body without its last chunk":
-        CHAT + b"Transfer-Encoding: chunked\r\n\r\nc\r\n" + b'{"messages":' + b"\r\n",
-}
-STALLED_PER_KIND = 20  # more than any worker's request threads once spread over 2 workers
 PROBES = ("/healthz", "/readyz", "/metrics")
 FAST_SECONDS = 0.1
-
-
-def raw_exchange(raw: bytes, **fields) -> Exchange:
-    """Build an exchange that sends exactly `raw`."""
-    return Exchange("/v1/chat/completions", raw=raw, **fields)
 
 
 def assert_openai_error(exchange: Exchange, status: int, code: str) -> dict:

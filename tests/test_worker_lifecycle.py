@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from harness import COUNTING, GunicornServer, StreamingClient, cpu_ticks_by_thread
 from service.settings import Settings
-from support import COUNTING, GunicornServer, StreamingClient, cpu_ticks_by_thread
 
 # A stream that outlasts the test.
 LONG_STREAM = {"messages": COUNTING, "max_tokens": Settings.model_construct().max_tokens_limit, "stream": True}

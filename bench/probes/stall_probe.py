@@ -1,10 +1,10 @@
 """How PREFILL_STALL_SECONDS trades running streams' gaps for a long prompt's first token.
 
-`python bench/stall_probe.py [--stalls 0 0.25 0.5] [--rounds 2]` starts corechat with the defaults
+`python bench/probes/stall_probe.py [--stalls 0 0.25 0.5] [--rounds 2]` starts corechat with the defaults
 on the 0.5B dev model (int8) once per stall value, in turn, and runs the benchmark's scenario 8 on
 each: two short streams per worker decode while a cold 512-token prompt arrives; it reports the
 long prompt's first token and the streams' inter-token gaps. It prints a table and writes
-bench/results/stall.json and .md.
+bench/results/<machine>/stall.json and .md.
 """
 
 import argparse
@@ -14,14 +14,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import save_results  # noqa: E402
-from bench.run import FULL, Plan, RedisServer, scenario_long_prompt_arrives, start_corechat  # noqa: E402
+from bench import save_results, start_corechat  # noqa: E402
+from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
+from bench.run import FULL, Plan, scenario_long_prompt_arrives  # noqa: E402
 from devtools.devmodel import build_dev_model  # noqa: E402
-
-MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
+from harness import RedisServer  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--stalls", nargs="+", type=float, default=[0.0, 0.25, 0.5])
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    plan = replace(Plan(model_dir=MODEL_DIR, **FULL), repetitions=2 * args.rounds)
+    plan = replace(Plan(model_dir=DEV_MODEL_DIR, **FULL), repetitions=2 * args.rounds)
     build_dev_model(plan.model_dir, plan.preset)
     results = {"rounds": args.rounds, "stalls": []}
     with tempfile.TemporaryDirectory(prefix="corechat-stall-") as scratch:

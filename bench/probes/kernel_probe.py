@@ -1,6 +1,6 @@
 """Measure every weight product a decode step can use, in GB/s of weights read, against one core's read bandwidth.
 
-`python bench/kernel_probe.py [--threads 1] [--rounds 5]` times one decode step's products of the
+`python bench/probes/kernel_probe.py [--threads 1] [--rounds 5]` times one decode step's products of the
 0.5B dev model's shapes (24 layers of q, k, v, o, gate, up, down and the output layer, random
 weights, each tensor its own memory so nothing stays in cache) for 1 to 8 rows:
 torch's `_weight_int8pack_mm` (bf16 x int8 per row), `_weight_int4pack_mm_for_cpu` (groups of
@@ -9,7 +9,7 @@ block would be a call per block), fbgemm's `linear_dynamic` (a private packed co
 corechat's kernels (int8 and int4, the best path this CPU runs). Kernels take turns round by round
 and each keeps its best round; time is the thread's CPU time, so other processes on the machine
 shift the figures less. The bound is the best of summing a 1 GB float32 tensor on the same thread.
-It prints a table and writes bench/results/kernels.json and .md.
+It prints a table and writes bench/results/<machine>/kernels.json and .md.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import h11
 
+from harness.sse import sse_payloads
+
 
 @dataclass
 class Exchange:
@@ -48,13 +50,25 @@ class Exchange:
         return json.loads(bytes(self.received))
 
     def sse_payloads(self) -> list:
-        """Return the data payloads of an SSE response, `[DONE]` as a string."""
-        payloads = []
-        for line in bytes(self.received).decode().splitlines():
-            if line.startswith("data: "):
-                payload = line[len("data: ") :]
-                payloads.append(payload if payload == "[DONE]" else json.loads(payload))
-        return payloads
+        """Return the data payloads of an SSE response, DONE last."""
+        return sse_payloads(bytes(self.received))
+
+
+CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+# Each way a client can leave a worker waiting for the rest of its request.
+STALLS = {
+    "headers never ended": CHAT,
+    "12 of 1000 body bytes": CHAT + b"Content-Length: 1000\r\n\r\n" + b'{"messages":',
+    "Expect: 100-continue, then no body": CHAT + b"Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n",
+    "chunked body without its last chunk":
+        CHAT + b"Transfer-Encoding: chunked\r\n\r\nc\r\n" + b'{"messages":' + b"\r\n",
+}
+STALLED_PER_KIND = 20  # more than any worker's request threads once spread over 2 workers
+
+
+def raw_exchange(raw: bytes, **fields) -> Exchange:
+    """Build an exchange that sends exactly `raw`."""
+    return Exchange("/v1/chat/completions", raw=raw, **fields)
 
 
 def chat_exchange(body: dict, **fields) -> Exchange:

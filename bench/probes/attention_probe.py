@@ -1,11 +1,11 @@
 """Time the paged attention kernel alone: decode steps and prompt chunks at growing context.
 
-`python bench/attention_probe.py [--threads 2] [--contexts 1000 5000 20000]` runs
+`python bench/probes/attention_probe.py [--threads 2] [--contexts 1000 5000 20000]` runs
 torch.ops.corechat.paged_attention with the 0.5B model's heads (14 query heads over 2 key/value
 heads of 64) on every kernel path this CPU runs: a decode step of 1 and 8 rows at each context, and
 a PREFILL_CHUNK_TOKENS-token prompt chunk ending at it, per layer; and the multiply-adds per
 second (each query head times each key, twice: scores and values). It prints a table and writes
-bench/results/attention.json and .md.
+bench/results/<machine>/attention.json and .md.
 """
 
 import argparse
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -63,7 +63,7 @@ def measure(path: str, context: int) -> dict:
 
 def main() -> None:
     """Measure every path and context asked for; print and save the table."""
-    parser = argparse.ArgumentParser(prog="python bench/attention_probe.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/attention_probe.py", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", nargs="+", type=int, default=[1000, 5000, 20000])
     args = parser.parse_args()

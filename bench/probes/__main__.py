@@ -1,62 +1,20 @@
-"""Measurements that need torch, run in their own process so the benchmark client stays light.
+"""Measurements that need torch, run in their own process so the benchmark client stays light
+(bench.probes.run_probe runs them):
 
     python -m bench.probes bandwidth --megabytes 1024 --threads 2
     python -m bench.probes baseline MODEL_DIR --threads 2 --max-tokens 64 --repetitions 5 --prompt TEXT
 
-Each prints one JSON object on stdout. `load_dev_model` loads the dev model for the in-process
-probes (bench/agreement.py, compile_probe.py, kernel_probe.py), `load_dev_runner` the runner a
-worker's engine drives (bench/step_probe.py, attention_probe.py).
+Each prints one JSON object on stdout.
 """
 
 import argparse
 import json
 import threading
 import time
-from pathlib import Path
 
 import torch
 
 BANDWIDTH_ROUNDS = 7
-# Where bench/run.py builds the qwen2.5-0.5b dev model.
-DEV_MODEL_DIR = Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b"
-
-
-def load_dev_model(dtype: str):
-    """Build (once) and load the 0.5B dev model as a worker does; return the model and its tokenizer.
-
-    dtype is a DTYPE value: int8 and int4 map (converting once) the quantized file a worker maps.
-    """
-    model, tokenizer, _ = load_prepared_dev_model(dtype)
-    return model, tokenizer
-
-
-def load_prepared_dev_model(dtype: str):
-    """load_dev_model, and what preparing the model decided (service.engine.prepare.PreparedModel)."""
-    from devtools.devmodel import build_dev_model
-    from service.engine.core import DTYPES
-    from service.engine.loading import load_model, load_tokenizer, model_fingerprint
-    from service.engine.prepare import prepare_model
-    from service.settings import Settings
-
-    model_dir = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, DTYPES[dtype])
-    settings = Settings()
-    prepared = prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir),
-                             Path(settings.kernels_dir),
-                             model_fingerprint(model_dir, tokenizer, Path(settings.converted_weights_dir)))
-    return model, tokenizer, prepared
-
-
-def load_dev_runner(dtype: str, kv_cache_mb: int = 1024):
-    """Load the 0.5B dev model as a worker does; return the runner its engine drives and the tokenizer."""
-    from service.engine.core import DTYPES
-    from service.engine.memory import KVBudget, kv_bytes_per_token
-    from service.engine.runners import PagedModel
-
-    model, tokenizer, prepared = load_prepared_dev_model(dtype)
-    budget = KVBudget.of(kv_cache_mb, kv_bytes_per_token(model.config, DTYPES[dtype]))
-    return PagedModel(prepared.lean, budget), tokenizer
 
 
 def measure_read_bandwidth(megabytes: int, threads: int) -> dict:

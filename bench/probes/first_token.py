@@ -1,6 +1,6 @@
 """Where the time to the first token goes, on a short prompt, with the defaults.
 
-    python bench/first_token.py [--repetitions 15]
+    python bench/probes/first_token.py [--repetitions 15]
 
 Two views of the same path. Served: real Gunicorn with the default workers and threads and
 LOG_LEVEL=debug, the benchmark's streaming client, and each request's `first token timings` line
@@ -9,11 +9,10 @@ response cache lookup), the queue, the prompt pass, the rest up to the first tex
 the cache's relay), and the first write. In-process: the same engine on one thread (a default
 worker's share of this machine), timing the chat template, the tokenizer, the queue handoff, the
 output layer inside the prompt pass (a forward hook on lm_head) and sampling the first token.
-Results go to bench/results/first-token.json and .md.
+Results go to bench/results/<machine>/first-token.json and .md.
 """
 
 import argparse
-import re
 import shutil
 import statistics
 import sys
@@ -22,27 +21,14 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
-from bench.probes import DEV_MODEL_DIR  # noqa: E402
-from bench.run import short_chat, start_corechat, stream_chat  # noqa: E402
-from support import RedisServer  # noqa: E402
+from bench import save_results, start_corechat  # noqa: E402
+from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
+from harness import RedisServer, parse_first_token_timings, short_chat, stream_chat  # noqa: E402
 
-TIMINGS_LINE = re.compile(r"first token timings \(ms\): (.*)$")
 SERVED_PARTS = ("first_token", "before_queue", "queue", "prompt_pass", "after_prompt_pass", "first_write")
-
-
-def parse_timings(log_text: str) -> list[dict[str, float]]:
-    """Return the fields of every `first token timings` line of a server log."""
-    rows = []
-    for line in log_text.splitlines():
-        match = TIMINGS_LINE.search(line)
-        if match:
-            fields = dict(item.split("=", 1) for item in match.group(1).split())
-            rows.append({key: float(value) for key, value in fields.items() if value != "-"})
-    return rows
 
 
 def measure_served(model_dir: Path, repetitions: int, max_tokens: int) -> dict:
@@ -56,7 +42,7 @@ def measure_served(model_dir: Path, repetitions: int, max_tokens: int) -> dict:
                 client = [stream_chat(server.url, short_chat(f"ft-{uuid.uuid4().hex[:8]}"), max_tokens)
                           for _ in range(repetitions)]
                 time.sleep(0.5)  # the last request's line is logged as its stream ends
-                rows = parse_timings(server.log())[-repetitions:]
+                rows = parse_first_token_timings(server.log())[-repetitions:]
             finally:
                 server.stop()
         finally:
@@ -174,11 +160,11 @@ def render(results: dict) -> str:
 
 def main() -> None:
     """Measure both views and write the results."""
-    parser = argparse.ArgumentParser(prog="python bench/first_token.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/first_token.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--model-dir", type=Path, default=DEV_MODEL_DIR)
     parser.add_argument("--name", default="first-token")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     args = parser.parse_args()
     from devtools.devmodel import build_dev_model
     from service.settings import Settings

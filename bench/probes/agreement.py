@@ -1,12 +1,12 @@
 """How far each weight format's logits are from float32's, on the 0.5B dev model.
 
-`python bench/agreement.py [--tokens 24]` loads the dev model in float32 (the reference) and in every
+`python bench/probes/agreement.py [--tokens 24]` loads the dev model in float32 (the reference) and in every
 other DTYPE the engine serves (bfloat16, int8, int4), and feeds each the same token sequences as the engine
 does: one prompt pass, then one token per step with the KV cache, the tokens being float32's greedy
 choices (teacher forcing, so an early disagreement does not change what is compared later). For the
 logits of the prompt pass's last position and of every step it reports the relative error
 (|l - l_fp32| / |l_fp32|) and the top-1 agreement with float32. It prints a table and writes
-bench/results/agreement.json and .md.
+bench/results/<machine>/agreement.json and .md.
 
 The dev model has random weights: its logits are nearly flat, so near-ties make top-1 agreement
 look worse than on a trained model, and no figure here is a quality figure for real weights.
@@ -17,14 +17,14 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.probes import load_dev_model  # noqa: E402
+from bench.probes.dev_model import load_dev_model  # noqa: E402
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

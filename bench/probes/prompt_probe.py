@@ -1,14 +1,14 @@
 """Time corechat's quantized products at prompt-pass row counts, every SIMD path this CPU runs,
 against the path's peak multiply-add rate.
 
-`python bench/prompt_probe.py [--threads 1] [--rounds 5] [--formats int8 int4]` multiplies one
+`python bench/probes/prompt_probe.py [--threads 1] [--rounds 5] [--formats int8 int4]` multiplies one
 decoder layer's product shapes of the 0.5B dev model (q, k, v, o, gate, up, down; random weights)
 by 1, 2, 128 and 512 rows of activations on each path (`avx2`, and `avx512_vnni` where the CPU
 has it), keeps each path's best round and reports multiply-adds per second, and that as a fraction
 of the path's peak: torch.ops.corechat.peak_multiply_adds, the path's multiply-add instructions
 alone on independent registers (512-bit vpdpbusd on avx512_vnni; the product's maddubs, madd and
 add on avx2), on as many threads. A prompt pass is these products at 128 rows
-(PREFILL_CHUNK_TOKENS) plus attention. It prints a table and writes bench/results/<name>.json and
+(PREFILL_CHUNK_TOKENS) plus attention. It prints a table and writes bench/results/<machine>/<name>.json and
 .md, with the CPU, date and commit.
 """
 
@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.kernel_probe import LAYER_SHAPES, random_weight  # noqa: E402
+from bench.probes.kernel_probe import LAYER_SHAPES, random_weight  # noqa: E402
 from service.engine import kernels  # noqa: E402
 from service.engine.quantized import FORMATS, QUANTIZE  # noqa: E402
 
@@ -56,7 +56,7 @@ def measure(fmt, path: str, rows: int, weights, rounds: int) -> float:
 
 def main() -> None:
     """Measure, print the table and write the results files."""
-    parser = argparse.ArgumentParser(prog="python bench/prompt_probe.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/prompt_probe.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=sorted(FORMATS))

@@ -1,8 +1,8 @@
 """What parsing a chunked request costs a worker: its CPU time per request, for bodies sent in
 512-byte and in one-byte chunks, against one Gunicorn worker with every setting at its default.
 
-    python bench/framing_probe.py                          # this checkout
-    python bench/framing_probe.py --repo DIR --name NAME   # another checkout (an older commit)
+    python bench/probes/framing_probe.py                          # this checkout
+    python bench/probes/framing_probe.py --repo DIR --name NAME   # another checkout (an older commit)
 
 The figures of docs/reliability.md (the framing limits); tests/test_framing.py checks the same
 proportion with a bound that only catches a quadratic cost. Each request goes to
@@ -11,8 +11,8 @@ answers 400 without generating, and the worker's CPU is mostly the request's par
 """
 
 import argparse
+import importlib.util
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HEAD = (
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
@@ -66,12 +66,22 @@ def _send_all(sock: socket.socket, raw: bytes) -> None:
         pass
 
 
-def machine(repo: Path) -> str:
-    """Describe the CPU, the date and the measured commit."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+def gunicorn_server_of(repo: Path):
+    """Return the GunicornServer class of a checkout (harness/'s, or tests/support.py's before harness/), which
+    starts that checkout's Gunicorn."""
+    path = repo / "harness" / "servers.py"
+    if not path.exists():
+        path = repo / "tests" / "support.py"
+    spec = importlib.util.spec_from_file_location(f"servers_of_{repo.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GunicornServer
+
+
+def measured_commit(repo: Path) -> str:
+    """Return the commit of the checkout measured (the results record this one's too)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    return f"{cpu}, {time.strftime('%Y-%m-%d')}, commit {commit or repo.name}"
+    return commit or repo.name
 
 
 def main() -> None:
@@ -80,12 +90,11 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose Gunicorn worker to measure")
     parser.add_argument("--name", default="framing")
     args = parser.parse_args()
-    sys.path[:0] = [str(REPO), str(args.repo / "tests")]
+    sys.path.insert(0, str(REPO))
     from bench import save_results
-    from support import GunicornServer
 
     rows = []
-    with GunicornServer(Path(tempfile.mkdtemp(prefix="corechat-framing-")), workers=1) as server:
+    with gunicorn_server_of(args.repo)(Path(tempfile.mkdtemp(prefix="corechat-framing-")), workers=1) as server:
         for label, size, count, requests in CASES:
             raw = HEAD + b"".join(b"%x\r\n%s\r\n" % (size, b"x" * size) for _ in range(count)) + b"0\r\n\r\n"
             before, started = worker_cpu_seconds(server), time.monotonic()
@@ -95,11 +104,11 @@ def main() -> None:
                 "cpu_ms_per_request": round((worker_cpu_seconds(server) - before) / requests * 1000, 1),
                 "wall_ms_per_request": round((time.monotonic() - started) / requests * 1000, 1),
             })
-    results = {"rows": rows, "machine": machine(args.repo)}
+    results = {"rows": rows, "measured_commit": measured_commit(args.repo)}
     lines = ["| case | bytes on the wire | status | worker CPU ms per request | wall ms per request |", "|---|---|---|---|---|"]
     lines += [f"| {row['case']} | {row['wire_bytes']:,} | {', '.join(map(str, row['statuses']))} | "
               f"{row['cpu_ms_per_request']} | {row['wall_ms_per_request']} |" for row in rows]
-    lines += ["", results["machine"]]
+    lines += ["", f"Measured: commit {results['measured_commit']}."]
     save_results(args.name, results, "\n".join(lines) + "\n")
 
 

@@ -1,13 +1,13 @@
 """Does fetching a conversation's KV state from Redis beat computing its prompt again?
 
-`python bench/kv_fetch_probe.py [--tokens 500 2000 8000] [--threads 2]` loads the 0.5B dev model as a
+`python bench/probes/kv_fetch_probe.py [--tokens 500 2000 8000] [--threads 2]` loads the 0.5B dev model as a
 worker does and, for conversations of each length: passes the prompt (the engine's chunks) and
 times it; stores its KV state as the prefix store does and sends it to a throwaway redis-server on
 loopback (service/cache/kvshare.py); then, as another host would, looks the next turn up in a
 fresh prefix store folder (the round trip that finds it, the read, the file written into the
 folder) and copies it into the worker's pages, timed. Loopback is faster than a network: the
 table adds what the bytes alone would take over 1 and 10 Gbit/s, computed from their size. It
-prints a table and writes bench/results/kv-fetch.json and .md.
+prints a table and writes bench/results/<machine>/kv-fetch.json and .md.
 """
 
 import argparse
@@ -16,17 +16,17 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.probes import load_dev_runner  # noqa: E402
+from bench.probes.dev_model import load_dev_runner  # noqa: E402
+from harness import RedisServer  # noqa: E402
 from service.cache.kvshare import RedisPrefixes  # noqa: E402
 from service.engine.prefixes import PrefixStore  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from support import RedisServer  # noqa: E402
 
 CHUNK = Settings.model_fields["prefill_chunk_tokens"].default
 END_OF_TURN = 151645
@@ -34,7 +34,7 @@ END_OF_TURN = 151645
 
 def main() -> None:
     """Measure each length; print and save the table."""
-    parser = argparse.ArgumentParser(prog="python bench/kv_fetch_probe.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/kv_fetch_probe.py", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[500, 2000, 8000])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 """Time to first byte and to first content of a cache miss and a hit, under real Gunicorn and Redis.
 
-    python bench/cache_hit.py [--model DIR] [--repetitions 5] [--max-tokens 32]
+    python bench/probes/cache_hit.py [--model DIR] [--repetitions 5] [--max-tokens 32]
 
 Each repetition sends a fresh request (a new seed, so a miss), then the same request again (a hit),
-and times both from the client. Prints a table and writes bench/results/cache_hit.json and .md.
+and times both from the client. Prints a table and writes bench/results/<machine>/cache_hit.json and .md.
 """
 
 import argparse
@@ -16,12 +16,11 @@ from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import save_results  # noqa: E402
-from support import GunicornServer, RedisServer  # noqa: E402
+from harness import TINY_MODEL_DIR, GunicornServer, RedisServer, sse_payload  # noqa: E402
 
 
 def timed_stream(url: str, body: dict) -> dict:
@@ -32,8 +31,9 @@ def timed_stream(url: str, body: dict) -> dict:
         for line in response.iter_lines(decode_unicode=True):
             now = time.perf_counter()
             first_byte = first_byte or now
-            if first_content is None and line.startswith("data: {") and '"content":"' in line and \
-                    '"content":""' not in line:
+            payload = sse_payload(line)
+            if first_content is None and isinstance(payload, dict) and any(
+                    choice["delta"].get("content") for choice in payload.get("choices", [])):
                 first_content = now
         ended = time.perf_counter()
         status = response.headers["X-Cache"]
@@ -89,7 +89,7 @@ def main() -> None:
     if args.model is None:
         from devtools.devmodel import build_dev_model
 
-        args.model = str(build_dev_model(Path.home() / ".cache" / "corechat" / "test-tiny", preset="tiny"))
+        args.model = str(build_dev_model(TINY_MODEL_DIR, preset="tiny"))
     with tempfile.TemporaryDirectory() as work:
         redis = RedisServer(Path(work)).start()
         server = GunicornServer(Path(work), workers=1, model=args.model, redis_url=redis.url)

@@ -1,6 +1,6 @@
 """Where a decode step's and a prompt pass's time goes: products, attention, the rest, Python, sampling.
 
-`python bench/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2]`
+`python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2]`
 loads the 0.5B dev model as a worker does and drives the runner its engine drives
 (service/engine/runners.py: the lean forward over the page pool):
 - decode: `rows` sequences of a ~40-token chat prompt each decode as one batch; the median wall
@@ -13,7 +13,7 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
 - prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way,
   with the products' multiply-adds per second.
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
-its neighbours' cores). It prints a table and writes bench/results/step.json and .md with the CPU,
+its neighbours' cores). It prints a table and writes bench/results/<machine>/step.json and .md with the CPU,
 date and commit.
 """
 
@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.probes import load_dev_runner  # noqa: E402
+from bench.probes.dev_model import load_dev_runner  # noqa: E402
 from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
@@ -121,7 +121,7 @@ def layer_multiply_adds(runner) -> int:
 
 def main() -> None:
     """Measure every dtype asked for and report the splits."""
-    parser = argparse.ArgumentParser(prog="python bench/step_probe.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/step_probe.py", description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["int8", "int4"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--prompts", nargs="+", type=int, default=[850, 5000])

@@ -1,15 +1,15 @@
 """Measure what constrained decoding costs a real decode loop: tok/s with and without a schema, 1 and 8 streams.
 
-`python bench/grammar_decode.py [--dtype int8] [--tokens 48] [--rounds 2]` runs the engine
+`python bench/probes/grammar_decode.py [--dtype int8] [--tokens 48] [--rounds 2]` runs the engine
 in-process on the 0.5B dev model (random weights, Qwen2.5's shapes and 151,936-token vocabulary)
 with the settings' defaults, one thread, and submits 1 or 8 greedy generations at once, each
-`tokens` long, free or under the nested schema of bench/grammar_probe.py (whose strings are
-unbounded, so replies run their full length, mostly inside strings). Decode tok/s is the tokens
+`tokens` long, free or under a typical nested schema (SCHEMA: objects, arrays, enums, numbers,
+strings; its strings are unbounded, so replies run their full length, mostly inside strings). Decode tok/s is the tokens
 generated after each stream's first, over the time from the first stream's first token to the
 last stream's end; the best of `rounds`. Since tok/s on a shared machine moves by several percent
 between runs, the probe also times the engine's masking itself (service.engine.scheduler.mask_logits,
 wrapped) and reports its median per decode step and its share of the schema run's step time. It
-prints a table and writes bench/results/grammar-decode.json and .md.
+prints a table and writes bench/results/<machine>/grammar-decode.json and .md.
 """
 
 import argparse
@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from bench import save_results  # noqa: E402
-from bench.grammar_probe import SCHEMA  # noqa: E402
+from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from service.engine import (  # noqa: E402
     Engine,
     Finished,
@@ -37,6 +37,33 @@ from service.engine import (  # noqa: E402
 
 STREAMS = (1, 8)
 MASK_SECONDS: list[float] = []
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "score": {"type": "number"},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street", "city"],
+            "additionalProperties": False,
+        },
+        "history": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"year": {"type": "integer"}, "event": {"type": "string"}, "ok": {"type": "boolean"}},
+                "required": ["year", "event", "ok"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["name", "age", "score", "role", "tags", "address", "history"],
+    "additionalProperties": False,
+}
 
 
 def timed_mask_logits(logits, matchers, mask_logits=scheduler.mask_logits) -> None:
@@ -76,7 +103,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     scheduler.mask_logits = timed_mask_logits
-    model_dir = build_dev_model(Path.home() / ".cache" / "corechat" / "bench-qwen2.5-0.5b", "qwen2.5-0.5b")
+    model_dir = build_dev_model(DEV_MODEL_DIR, "qwen2.5-0.5b")
     engine = Engine(Settings(model=str(model_dir), dtype=args.dtype, prefix_cache_mb=0))
     engine.start()
     if not engine.wait_ready(600):
@@ -105,7 +132,7 @@ def main() -> None:
                      f"{row['schema_cost_percent']}% | {row['mask_ms_per_step']} ms | {row['mask_share_percent']}% |\n"
                      for row in results["runs"])
     table += (f"\nBest of {args.rounds} rounds; the machine is shared, so compare the columns, not other runs. "
-              f"`python bench/grammar_decode.py --dtype {args.dtype} --tokens {args.tokens} --rounds {args.rounds}`\n")
+              f"`python bench/probes/grammar_decode.py --dtype {args.dtype} --tokens {args.tokens} --rounds {args.rounds}`\n")
     save_results("grammar-decode", results, table)
 
 
