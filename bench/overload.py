@@ -1,5 +1,5 @@
 """Overload and slow clients against `make serve`'s defaults (2 workers, tiny model): the figures of
-docs/reliability.md, measured as tests/test_admission.py and tests/test_worker.py check them.
+docs/reliability.md, measured as tests/e2e/test_admission.py and tests/e2e/test_worker.py check them.
 
     python bench/overload.py              # 5 rounds of each scenario
     python bench/overload.py --rounds 1

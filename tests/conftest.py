@@ -19,13 +19,15 @@ def pytest_configure(config):
 
 
 # The longest test files, started first so the two test processes end together (`make test`).
-LONGEST_FIRST = ("test_bench.py", "test_soak.py", "test_cache_gunicorn.py", "test_gunicorn.py", "test_preload.py",
-                 "test_engine_faults.py", "test_nginx.py")
+LONGEST_FIRST = {f"e2e/{name}" for name in ("test_bench.py", "test_soak.py", "test_cache_gunicorn.py",
+                                            "test_gunicorn.py", "test_preload.py", "test_engine_faults.py",
+                                            "test_nginx.py")}
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items):
     """Move the longest test files to the front, keeping every file's own order."""
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    items.sort(key=lambda item: item.path.relative_to(TESTS).as_posix() not in LONGEST_FIRST)
 
 
 @pytest.fixture(scope="session")
@@ -105,7 +107,7 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
     A third concurrent request gets a 503, and max_tokens may go up to 32000 for endless replies.
     """
     from harness import GunicornServer
-    from support import TEST_API_KEY
+    from tests.support import TEST_API_KEY
 
     with GunicornServer(
         tmp_path_factory.mktemp("keyed-gunicorn"),

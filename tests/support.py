@@ -8,6 +8,11 @@ from contextlib import contextmanager
 TEST_API_KEY = "sk-corechat-test-key"
 
 
+def bearer(key: str) -> dict:
+    """Return the Authorization header carrying a key."""
+    return {"Authorization": f"Bearer {key}"}
+
+
 def wait_until(predicate, timeout: float) -> bool:
     """Poll predicate until it holds or timeout seconds pass; return whether it held."""
     deadline = time.monotonic() + timeout
@@ -30,3 +35,16 @@ def started_engine(settings, timeout: float = 300) -> Iterator:
         yield engine
     finally:
         engine.stop()
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with torch's intra-op thread count set, restoring it after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

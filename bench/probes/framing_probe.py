@@ -4,7 +4,7 @@
     python bench/probes/framing_probe.py                          # this checkout
     python bench/probes/framing_probe.py --repo DIR --name NAME   # another checkout (an older commit)
 
-The figures of docs/reliability.md (the framing limits); tests/test_framing.py checks the same
+The figures of docs/reliability.md (the framing limits); tests/e2e/test_framing.py checks the same
 proportion with a bound that only catches a quadratic cost. Each request goes to
 /v1/chat/completions on a fresh connection; its body is not JSON, so the app reads it whole and
 answers 400 without generating, and the worker's CPU is mostly the request's parsing.
