@@ -13,6 +13,13 @@ def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
+def openai_client(server, api_key: str = "unused", timeout: float = 120):
+    """Return the official client of a server, never retrying (a retry would hide the answer under test)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
 def wait_until(predicate, timeout: float) -> bool:
     """Poll predicate until it holds or timeout seconds pass; return whether it held."""
     deadline = time.monotonic() + timeout

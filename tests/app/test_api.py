@@ -5,6 +5,7 @@ import json
 import pytest
 
 from service.engine import SamplingParams
+from tests.support import started_engine
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 
@@ -93,13 +94,9 @@ def test_stream_without_usage_option_has_no_usage_field(client):
 
 def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir):
     from service.app import create_app
-    from service.engine import Engine
 
     settings = make_settings(max_running=1, sse_ping_seconds=0.05)
-    engine = Engine(settings)
-    engine.start()
-    assert engine.wait_ready(60)
-    try:
+    with started_engine(settings) as engine:
         app = create_app(settings, engine=engine)
         blocker = engine.submit(engine.template.encode("hello"), SamplingParams(max_tokens=100_000, temperature=0))
         blocker.next_event(timeout=30)
@@ -114,8 +111,6 @@ def test_stream_sends_ping_comments_while_waiting(make_settings, tiny_model_dir)
         blocker.cancel()
         rest = b"".join(part if isinstance(part, bytes) else part.encode() for part in stream)
         assert rest.endswith(b"data: [DONE]\n\n")
-    finally:
-        engine.stop()
 
 
 def test_same_seed_same_reply_over_http(client):
@@ -371,7 +366,6 @@ STRICT_TEMPLATE = (
 def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
     """Return a client of the tiny model given a chat template that raises on role orders it refuses."""
     from service.app import create_app
-    from service.engine import Engine
 
     model_dir = tmp_path_factory.mktemp("strict-template")
     for path in tiny_model_dir.iterdir():
@@ -381,11 +375,8 @@ def strict_template_client(tiny_model_dir, tmp_path_factory, make_settings):
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": STRICT_TEMPLATE}))
     (model_dir / "chat_template.jinja").write_text(STRICT_TEMPLATE)
     settings = make_settings(model=str(model_dir), dtype="bfloat16", max_model_len=256)
-    engine = Engine(settings)
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    yield create_app(settings, engine=engine).test_client()
-    engine.stop()
+    with started_engine(settings) as engine:
+        yield create_app(settings, engine=engine).test_client()
 
 
 @pytest.mark.parametrize("stream", [False, True])

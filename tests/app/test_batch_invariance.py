@@ -11,7 +11,8 @@ Qwen2.5-0.5B's own.
 import pytest
 import torch
 
-from service.engine import Engine, Failed, SamplingParams, TextDelta, scheduler
+from service.engine import Failed, SamplingParams, TextDelta, scheduler
+from tests.support import started_engine
 
 # Prompt lengths of a batch of uneven sequences (the tiny model handles any).
 LENGTHS = [37, 300, 5, 120, 600, 64, 9, 200]
@@ -24,11 +25,8 @@ INVARIANT_FORMATS = ["int8", "int4"]
 @pytest.fixture(scope="module", params=INVARIANT_FORMATS)
 def format_engine(request, make_settings):
     """Return a started engine on the tiny model in one weight format."""
-    engine = Engine(make_settings(dtype=request.param, max_model_len=2048, prefix_cache_mb=0))
-    engine.start()
-    assert engine.wait_ready(300), engine.facts
-    yield engine
-    engine.stop()
+    with started_engine(make_settings(dtype=request.param, max_model_len=2048, prefix_cache_mb=0)) as engine:
+        yield engine
 
 
 def random_prompts() -> list[list[int]]:
@@ -114,11 +112,8 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
     """Through the real engine with the default shape (MAX_RUNNING 8, chunked prompts, continuous
     batching): each request's reply and every logit it sampled from are the same alone and among
     1, 4 or 7 others."""
-    engine = Engine(make_settings(max_model_len=2048, prefix_cache_mb=0))
-    assert engine.settings.max_running >= 8
-    engine.start()
-    assert engine.wait_ready(300), engine.facts
-    try:
+    with started_engine(make_settings(max_model_len=2048, prefix_cache_mb=0)) as engine:
+        assert engine.settings.max_running >= 8
         prompts = [engine.template.encode(engine.template.render(
             [{"role": "user", "content": "tell me more " * (1 + 37 * i)}]))
                    for i in range(8)]
@@ -141,8 +136,6 @@ def test_engine_replies_alone_equal_replies_in_batches_of_2_5_and_8(make_setting
                         if len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))]
                 assert len(same) == 1, size
                 batched.pop(same[0])
-    finally:
-        engine.stop()
 
 
 def test_a_prompt_gives_the_same_logits_whole_chunked_from_a_stored_prefix_and_decoded(format_engine):
@@ -181,10 +174,7 @@ def test_a_prompt_gives_the_same_logits_whole_chunked_from_a_stored_prefix_and_d
 
 def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_settings, recorded_logits):
     """The same request again (its prompt's KV from the prefix store) gets the same logits, so the same reply."""
-    engine = Engine(make_settings(max_model_len=2048, prefix_cache_mb=64))
-    engine.start()
-    assert engine.wait_ready(300), engine.facts
-    try:
+    with started_engine(make_settings(max_model_len=2048, prefix_cache_mb=64)) as engine:
         ids = engine.template.encode(engine.template.render(
             [{"role": "user", "content": "a shared system prompt " * 40}]))
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
@@ -195,5 +185,3 @@ def test_a_prefix_cache_hit_samples_from_the_same_logits_as_the_cold_pass(make_s
         assert engine.facts.prefix_cache_hits == 1
         hit_logits = list(recorded_logits.values())
         assert all(torch.equal(a, b) for a, b in zip(hit_logits[0], cold_logits[0], strict=True))
-    finally:
-        engine.stop()

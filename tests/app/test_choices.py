@@ -1,6 +1,7 @@
 """`n` > 1 choices share one prompt pass (the engine in this process)."""
 
 from service.engine import SamplingParams
+from tests.support import started_engine
 
 PROMPT = "Once upon a time, in a land of caches,"
 
@@ -18,19 +19,12 @@ class PromptTokenCounter:
 
 
 def test_the_choices_share_one_prompt_pass(make_settings):
-    from service.engine import Engine
-
-    engine = Engine(make_settings(max_model_len=256, prefix_cache_mb=0))
-    engine.start()
-    try:
-        assert engine.wait_ready(120)
+    with started_engine(make_settings(max_model_len=256, prefix_cache_mb=0)) as engine:
         runner = engine._scheduler.runner
         counter = PromptTokenCounter(runner)
         runner.prefill = counter
         prompt = engine.template.encode(PROMPT)
         group = engine.submit_choices(prompt, [SamplingParams(max_tokens=4, seed=index) for index in range(3)])
         events = list(group.events())
-    finally:
-        engine.stop()
     assert counter.prompt_tokens == len(prompt)
     assert events[-1].completion_tokens == 12 and events[-1].prompt_tokens == len(prompt)

@@ -20,6 +20,7 @@ from service.engine import (
     Started,
     TextDelta,
 )
+from tests.support import started_engine
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 # The tiny model's weights are random, so its replies to PROMPT, greedy or seeded as below, run for
@@ -87,10 +88,7 @@ def test_cancel_stops_generation_at_next_token(engine):
 
 
 def test_full_queue_refuses_at_once(make_settings):
-    engine = Engine(make_settings(max_queue=1, max_running=1))
-    engine.start()
-    assert engine.wait_ready(60)
-    try:
+    with started_engine(make_settings(max_queue=1, max_running=1)) as engine:
         ids = engine.template.encode(engine.template.render(PROMPT))
         running = engine.submit(ids, SamplingParams(max_tokens=10_000, temperature=0.0))
         assert isinstance(running.next_event(timeout=30), Started)
@@ -102,15 +100,10 @@ def test_full_queue_refuses_at_once(make_settings):
         running.cancel()
         last = list(waiting.events())[-1]
         assert (last.finish_reason, last.completion_tokens) == ("length", 1)
-    finally:
-        engine.stop()
 
 
 def test_concurrent_generations_interleave(make_settings):
-    engine = Engine(make_settings(max_running=2))
-    engine.start()
-    assert engine.wait_ready(60)
-    try:
+    with started_engine(make_settings(max_running=2)) as engine:
         ids = engine.template.encode(engine.template.render(PROMPT))
         long_run = engine.submit(ids, SamplingParams(max_tokens=400, temperature=0.0))
         assert isinstance(long_run.next_event(timeout=30), Started)
@@ -123,8 +116,6 @@ def test_concurrent_generations_interleave(make_settings):
             long_events.append(event)
         assert long_events and not any(isinstance(event, Finished) for event in long_events)
         long_run.cancel()
-    finally:
-        engine.stop()
 
 
 def test_deadline_ends_generation_with_length(engine):
@@ -180,15 +171,10 @@ def test_model_weights_are_mapped_from_the_file(engine):
 def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
     """int8 and bfloat16 replies differ, so hosts serving them must not share cached replies."""
     assert engine.settings.dtype == "int8"
-    exact = Engine(make_settings(dtype="bfloat16", max_model_len=256))
-    exact.start()
-    try:
-        assert exact.wait_ready(60)
+    with started_engine(make_settings(dtype="bfloat16", max_model_len=256)) as exact:
         assert exact.fingerprint != engine.fingerprint
         # int8 Linear weights are buffers, not parameters: the count must still be the model's.
         assert engine.facts.parameters == exact.facts.parameters > 0
-    finally:
-        exact.stop()
 
 
 POISONED_WORD = "Hello"
@@ -216,12 +202,9 @@ def poisoned_engine(make_settings, tiny_model_dir, tmp_path_factory):
     [poisoned_id] = load_tokenizer(copy).encode(POISONED_WORD)
     embedding[poisoned_id] = float("nan")
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    engine = Engine(make_settings(model=str(copy), max_model_len=256, prefix_cache_mb=0))
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    engine.poisoned_id = poisoned_id
-    yield engine
-    engine.stop()
+    with started_engine(make_settings(model=str(copy), max_model_len=256, prefix_cache_mb=0)) as engine:
+        engine.poisoned_id = poisoned_id
+        yield engine
 
 
 def events_of(generation) -> tuple[str, list]:
@@ -379,11 +362,8 @@ def test_readyz_answers_while_the_engine_thread_adds_facts(make_settings):
 def exact_engine(make_settings):
     """An engine in float32 throughout, where a prompt pass and a decode step give the same logits
     to within rounding far below what moves a draw of the tiny model."""
-    exact = Engine(make_settings(max_model_len=256, dtype="float32"))
-    exact.start()
-    assert exact.wait_ready(120), exact.facts
-    yield exact
-    exact.stop()
+    with started_engine(make_settings(max_model_len=256, dtype="float32")) as exact:
+        yield exact
 
 
 def pieces_of(generation) -> tuple[list[TextDelta], Finished]:

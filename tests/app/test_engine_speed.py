@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from service.engine import Engine, Finished, SamplingParams, TextDelta
+from tests.support import started_engine
 
 SYSTEM = "You are a terse assistant. " * 20
 QUESTIONS = ["What is a prime?", "Name a colour.", "Count to three.", "Why is water wet?"]
@@ -30,28 +31,24 @@ def prompt_of(engine: Engine, question: str) -> list[int]:
     return engine.template.encode(engine.template.render(messages))
 
 
-def started_engine(make_settings, **overrides) -> Engine:
-    """Start a float32 engine on the tiny model (float32: exact comparisons do not hinge on bf16 rounding)."""
-    engine = Engine(make_settings(**{"dtype": "float32", "max_model_len": 1024, **overrides}))
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    return engine
+def float32_settings(make_settings, **overrides):
+    """Return settings of a float32 engine on the tiny model (float32: exact comparisons do not hinge on bf16
+    rounding)."""
+    return make_settings(**{"dtype": "float32", "max_model_len": 1024, **overrides})
 
 
 @pytest.fixture(scope="module")
 def plain_engine(make_settings):
     """An engine without prefix reuse that runs one sequence at a time."""
-    engine = started_engine(make_settings, prefix_cache_mb=0, max_running=1)
-    yield engine
-    engine.stop()
+    with started_engine(float32_settings(make_settings, prefix_cache_mb=0, max_running=1)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def fast_engine(make_settings):
     """An engine with prefix reuse and batches of up to four sequences."""
-    engine = started_engine(make_settings, prefix_cache_mb=64, max_running=4)
-    yield engine
-    engine.stop()
+    with started_engine(float32_settings(make_settings, prefix_cache_mb=64, max_running=4)) as engine:
+        yield engine
 
 
 def test_prefix_reuse_processes_only_new_tokens_and_keeps_output_identical(plain_engine, fast_engine):
@@ -97,13 +94,10 @@ def test_concurrent_sequences_decode_in_one_batch_with_unbatched_results(plain_e
 
 def test_prompt_processed_in_chunks_generates_what_one_pass_generates(plain_engine, make_settings):
     """Cutting a prompt into chunks of 16 tokens changes when its work happens, not its reply."""
-    chunked = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=16)
-    try:
+    with started_engine(float32_settings(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=16)) as chunked:
         prompt = prompt_of(chunked, QUESTIONS[3])
         assert len(prompt) > 5 * 16
         assert run_to_end(chunked, prompt, max_tokens=16)[0] == run_to_end(plain_engine, prompt, max_tokens=16)[0]
-    finally:
-        chunked.stop()
 
 
 def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_settings, monkeypatch):
@@ -111,12 +105,11 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
     from service.engine import Generation, Started
 
     chunk = 16
-    engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=chunk)
-    sent = []  # (generation, event), in the order the engine thread sends them
-    original_send = Generation.send
-    monkeypatch.setattr(Generation, "send",
-                        lambda self, event: (sent.append((self, event)), original_send(self, event))[1])
-    try:
+    with started_engine(float32_settings(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=chunk)) as engine:
+        sent = []  # (generation, event), in the order the engine thread sends them
+        original_send = Generation.send
+        monkeypatch.setattr(Generation, "send",
+                            lambda self, event: (sent.append((self, event)), original_send(self, event))[1])
         running = engine.submit(prompt_of(engine, QUESTIONS[0]), SamplingParams(max_tokens=100_000, temperature=0.0))
         assert isinstance(running.next_event(timeout=30), Started)
         assert running.next_event(timeout=30) is not None  # decoding
@@ -133,8 +126,6 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_processed(make_set
         # One decode step after each chunk but the last; a few deltas may be held back (partial characters).
         assert deltas_between >= (chunks - 1) // 2, (chunks, deltas_between)
         assert finished.prompt_tokens == len(long_prompt)
-    finally:
-        engine.stop()
 
 
 def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chunks_alone(make_settings, monkeypatch):
@@ -147,8 +138,8 @@ def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chu
     original = PromptPass.run
     monkeypatch.setattr(PromptPass, "run",
                         lambda self, sequence, tokens: (taken.append(tokens), original(self, sequence, tokens))[1])
-    engine = started_engine(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=128, prefill_stall_seconds=1e-9)
-    try:
+    with started_engine(float32_settings(make_settings, prefix_cache_mb=0, prefill_chunk_tokens=128,
+                                         prefill_stall_seconds=1e-9)) as engine:
         long_prompt = engine.template.encode(engine.template.render([{"role": "user", "content": SYSTEM * 3}]))
         assert len(long_prompt) > 3 * 128
         run_to_end(engine, long_prompt, max_tokens=1)
@@ -162,8 +153,6 @@ def test_a_long_prompt_is_cut_to_the_stall_while_streams_decode_and_in_whole_chu
         running.cancel()
         whole, tail = divmod(len(long_prompt), 16)
         assert taken == [16] * whole + ([tail] if tail else [])
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -172,22 +161,16 @@ def test_quantized_weights_are_converted_once_into_a_versioned_shared_file_and_g
     later engines map it again, and generation works."""
     from service.engine.quantized import FORMAT_VERSION, QuantizedLinear
 
-    first = started_engine(make_settings, dtype=dtype, converted_weights_dir=str(tmp_path))
-    converted = first.facts.converted_weights
-    assert os.path.basename(converted).startswith(f"corechat-{dtype}-v{FORMAT_VERSION}-")
-    written_at = os.stat(converted).st_mtime_ns
-    first.stop()
-    engine = Engine(make_settings(dtype=dtype, converted_weights_dir=str(tmp_path), max_model_len=1024))
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    try:
+    with started_engine(float32_settings(make_settings, dtype=dtype, converted_weights_dir=str(tmp_path))) as first:
+        converted = first.facts.converted_weights
+        assert os.path.basename(converted).startswith(f"corechat-{dtype}-v{FORMAT_VERSION}-")
+        written_at = os.stat(converted).st_mtime_ns
+    with started_engine(make_settings(dtype=dtype, converted_weights_dir=str(tmp_path), max_model_len=1024)) as engine:
         assert engine.facts.converted_weights == converted
         assert os.stat(converted).st_mtime_ns == written_at
         assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.model.lm_head.format.name == dtype
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
         assert finished.completion_tokens == 12 and finished.finish_reason == "length"
-    finally:
-        engine.stop()
 
 
 def test_a_converted_file_of_another_format_version_is_never_read(make_settings, tiny_model_dir, tmp_path):
@@ -196,21 +179,15 @@ def test_a_converted_file_of_another_format_version_is_never_read(make_settings,
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir, ignore=shutil.ignore_patterns("corechat-*"))
-    engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
-    try:
+    with started_engine(float32_settings(make_settings, model=str(model_dir), dtype="int8")) as engine:
         fingerprint = os.path.basename(engine.facts.converted_weights).removesuffix(".safetensors").rsplit("-", 1)[1]
-    finally:
-        engine.stop()
     for stale in model_dir.glob("corechat-*"):
         stale.unlink()
     (model_dir / f"corechat-int8-{fingerprint}.safetensors").write_bytes(b"not a safetensors file")
-    engine = started_engine(make_settings, model=str(model_dir), dtype="int8")
-    try:
+    with started_engine(float32_settings(make_settings, model=str(model_dir), dtype="int8")) as engine:
         assert "-v" in os.path.basename(engine.facts.converted_weights)
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
         assert finished.finish_reason == "length"
-    finally:
-        engine.stop()
 
 
 def test_workers_converting_at_once_map_one_int8_file(make_settings, tiny_model_dir, tmp_path):

@@ -4,17 +4,14 @@ over transformers' DynamicCache."""
 import torch
 from transformers import DynamicCache
 
-from service.engine import Engine
 from service.engine.kvcache import new_cache
+from tests.support import started_engine
 
 
 def test_a_model_gives_the_same_logits_over_both_caches(make_settings):
     """On transformers' forward (float32), a chunked 500-token prompt (its room filled and grown) and
     decode steps: logits to the bit."""
-    engine = Engine(make_settings(dtype="float32", max_model_len=1024))
-    engine.start()
-    try:
-        assert engine.wait_ready(300), engine.facts
+    with started_engine(make_settings(dtype="float32", max_model_len=1024)) as engine:
         model = engine.model
         prompt = torch.randint(100, 5000, (500,), generator=torch.Generator().manual_seed(0)).tolist()
         seen = []
@@ -29,5 +26,3 @@ def test_a_model_gives_the_same_logits_over_both_caches(make_settings):
                     logits.append(model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits)
                 seen.append(logits)
         assert all(torch.equal(a, b) for a, b in zip(*seen, strict=True))
-    finally:
-        engine.stop()

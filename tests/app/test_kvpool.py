@@ -3,17 +3,14 @@
 import pytest
 import torch
 
-from service.engine import Engine
+from tests.support import started_engine
 
 
 @pytest.fixture(scope="module")
 def runner(make_settings):
     """Return the paged runner of a started int8 engine on the tiny model (the engine idle)."""
-    engine = Engine(make_settings(prefix_cache_mb=0))
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    yield engine._scheduler.runner
-    engine.stop()
+    with started_engine(make_settings(prefix_cache_mb=0)) as engine:
+        yield engine._scheduler.runner
 
 
 def prompt(length: int, seed: int) -> list[int]:

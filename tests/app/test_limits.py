@@ -9,7 +9,7 @@ import json
 import pytest
 
 from service.app import create_app
-from service.engine import Engine
+from tests.support import started_engine
 
 USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 
@@ -94,11 +94,8 @@ def test_prompt_filling_the_whole_context_gets_400(client, engine):
 def short_deadline_client(make_settings):
     """Return a client whose engine cuts every generation after 0.3 s."""
     settings = make_settings(max_model_len=32768, max_tokens_limit=30000, max_generation_seconds=0.3)
-    engine = Engine(settings)
-    engine.start()
-    assert engine.wait_ready(60)
-    yield create_app(settings, engine=engine).test_client()
-    engine.stop()
+    with started_engine(settings) as engine:
+        yield create_app(settings, engine=engine).test_client()
 
 
 def test_generation_time_limit_ends_a_reply_with_finish_reason_length(short_deadline_client):

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from service.engine import Engine, Failed, Finished, SamplingParams, Started, TextDelta
+from service.engine import Failed, Finished, SamplingParams, Started, TextDelta
 from service.engine.runners import PagedModel
+from tests.support import started_engine
 
 # Long enough that its pass takes many steps of PREFILL_CHUNK_TOKENS on the tiny model.
 LONG_TOKENS = 24_000
@@ -17,11 +18,8 @@ EVENT_TIMEOUT = 120
 @pytest.fixture(scope="module")
 def default_engine(make_settings):
     """An engine with every scheduling setting at its default."""
-    engine = Engine(make_settings())
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    yield engine
-    engine.stop()
+    with started_engine(make_settings()) as engine:
+        yield engine
 
 
 def prompt(tokens: int, offset: int = 0) -> list[int]:

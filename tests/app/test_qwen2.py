@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from service.engine import Engine
 from service.engine.kvpool import PagePool
 from service.engine.memory import PAGE_TOKENS, KVBudget
+from tests.support import started_engine
 
 KERNEL_ATTENTION = "corechat-paged-test"
 
@@ -53,11 +53,8 @@ AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
 def test_lean_forward_gives_transformers_bits_for_prompts_and_decode_steps(make_settings, dtype):
     """Prompts in two chunks, then decode steps of all three as one batch: the lean forward's logits equal
     transformers' forward's, each sequence alone there with its own cache."""
-    engine = Engine(make_settings(dtype=dtype, max_model_len=1024, prefix_cache_mb=0))
-    engine.start()
-    assert engine.wait_ready(300), engine.facts
-    model, runner = engine.model, engine._scheduler.runner
-    try:
+    with started_engine(make_settings(dtype=dtype, max_model_len=1024, prefix_cache_mb=0)) as engine:
+        model, runner = engine.model, engine._scheduler.runner
         assert engine.facts.forward == "lean"
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(100, 5000, (length,), generator=generator).tolist() for length in (70, 9, 33)]
@@ -91,17 +88,10 @@ def test_lean_forward_gives_transformers_bits_for_prompts_and_decode_steps(make_
         model.set_attn_implementation("sdpa")
         assert len(lean) == len(reference)
         assert all(torch.equal(a, b) for a, b in zip(lean, reference))
-    finally:
-        engine.stop()
 
 
 def test_float32_keeps_transformers_forward(make_settings):
     """The lean forward needs the bf16 attention kernel; float32 models run transformers' forward."""
-    engine = Engine(make_settings(dtype="float32", max_model_len=256))
-    engine.start()
-    try:
-        assert engine.wait_ready(300), engine.facts
+    with started_engine(make_settings(dtype="float32", max_model_len=256)) as engine:
         assert engine.facts.forward == "transformers"
         assert type(engine._scheduler.runner).__name__ == "TransformersModel"
-    finally:
-        engine.stop()

@@ -6,29 +6,21 @@ import pytest
 import torch
 
 from service.engine import Engine, Failed, Finished, SamplingParams, TextDelta, scheduler
+from tests.support import started_engine
 
 QUESTION = "Tell me about the sea and the ships on it, at length."
 FOLLOW_UP = "And what about the harbours they come home to?"
 REPLY_TOKENS = 24
 
 
-def started(make_settings, **overrides) -> Engine:
-    """Start an engine on the tiny model."""
-    engine = Engine(make_settings(max_model_len=4096, **overrides))
-    engine.start()
-    assert engine.wait_ready(300), engine.facts
-    return engine
-
-
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def engines(request, make_settings, tmp_path_factory):
     """Two engines sharing one prefix folder (two workers of a host), and one without prefix reuse."""
     folder = tmp_path_factory.mktemp("prefixes")
-    pair = [started(make_settings, dtype=request.param, prefix_cache_dir=str(folder)) for _ in range(2)]
-    cold = started(make_settings, dtype=request.param, prefix_cache_mb=0)
-    yield pair, cold
-    for engine in (*pair, cold):
-        engine.stop()
+    shared = make_settings(max_model_len=4096, dtype=request.param, prefix_cache_dir=str(folder))
+    with (started_engine(shared) as first, started_engine(shared) as second,
+          started_engine(make_settings(max_model_len=4096, dtype=request.param, prefix_cache_mb=0)) as cold):
+        yield [first, second], cold
 
 
 def reply(engine: Engine, prompt_ids: list[int], params: SamplingParams,

@@ -14,14 +14,10 @@ USER = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def keyed_gunicorn(tiny_model_dir, tmp_path_factory):
+def keyed_gunicorn(gunicorn):
     """Run one Gunicorn worker that needs a key, allows one origin and has two request places."""
-    from harness import GunicornServer
-
-    with GunicornServer(
-        tmp_path_factory.mktemp("keyed"), workers=1, api_keys=",".join(KEYS), cors_origins=ALLOWED_ORIGIN,
-        max_running=1, max_queue=1, max_tokens_limit=32000,
-    ) as server:
+    with gunicorn(workers=1, api_keys=",".join(KEYS), cors_origins=ALLOWED_ORIGIN, max_running=1, max_queue=1,
+                  max_tokens_limit=32000) as server:
         yield server
 
 

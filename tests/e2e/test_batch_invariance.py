@@ -5,17 +5,14 @@ from harness import ready_facts
 from service.settings import Settings
 
 
-def test_replies_over_http_alone_equal_the_same_requests_beyond_capacity(tmp_path_factory):
+def test_replies_over_http_alone_equal_the_same_requests_beyond_capacity(gunicorn):
     """`make serve`'s defaults (int8, one worker per core, MAX_RUNNING, prefix store on): each of
     more requests than the workers can run at once gets, byte for byte, the reply it got alone."""
     import concurrent.futures
 
     import requests
-
-    from harness import GunicornServer
-
     defaults = Settings()
-    with GunicornServer(tmp_path_factory.mktemp("invariance"), workers=defaults.worker_count) as server:
+    with gunicorn(workers=defaults.worker_count) as server:
         capacity = server.workers * defaults.max_running
         bodies = [{"messages": [{"role": "user", "content": f"request {i}: " + "go on " * (1 + 23 * (i % 5))}],
                    "max_tokens": 16, **({"temperature": 0} if i % 2 else {"temperature": 1.0, "seed": i})}

@@ -44,25 +44,24 @@ def shared_redis(tmp_path_factory):
     server.stop()
 
 
-def start_server(log_dir, redis, workers: int) -> GunicornServer:
+def start_server(gunicorn, redis, workers: int) -> GunicornServer:
     """Start corechat under Gunicorn on the tiny model with the cache on the shared Redis."""
-    return GunicornServer(
-        log_dir, workers=workers, max_model_len=4096, warmup=False, sse_ping_seconds=0.5, redis_url=redis.url,
-    ).start()
+    return gunicorn(workers=workers, max_model_len=4096, warmup=False, sse_ping_seconds=0.5,
+                    redis_url=redis.url).start()
 
 
 @pytest.fixture(scope="module")
-def two_workers(tiny_model_dir, shared_redis, tmp_path_factory):
+def two_workers(gunicorn, shared_redis):
     """Run a 2-worker server using the shared Redis."""
-    server = start_server(tmp_path_factory.mktemp("gunicorn"), shared_redis, workers=2)
+    server = start_server(gunicorn, shared_redis, workers=2)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def one_worker(tiny_model_dir, shared_redis, tmp_path_factory):
+def one_worker(gunicorn, shared_redis):
     """Run a second host with one worker on the same Redis."""
-    server = start_server(tmp_path_factory.mktemp("one-worker"), shared_redis, workers=1)
+    server = start_server(gunicorn, shared_redis, workers=1)
     yield server
     server.stop()
 
@@ -128,10 +127,8 @@ def test_cache_hit_is_counted_and_its_first_token_lands_in_a_fast_bucket(two_wor
         assert delta(f"corechat_{engine_only}_seconds_count") == 0, engine_only
 
 
-def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(
-    two_workers, shared_redis, tmp_path_factory
-):
-    other_host = start_server(tmp_path_factory.mktemp("other-host"), shared_redis, workers=1)
+def test_follower_on_another_host_takes_over_when_the_leader_worker_dies(two_workers, shared_redis, gunicorn):
+    other_host = start_server(gunicorn, shared_redis, workers=1)
     # Long enough that the leader is still generating when it is killed, even on a quiet machine,
     # where a few dozen tokens of the tiny model end before the kill lands.
     body = {**BODY, "max_tokens": 400}

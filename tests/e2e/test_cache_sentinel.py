@@ -15,7 +15,7 @@ import pytest
 import redis
 import requests
 
-from harness import GunicornServer, RedisServer
+from harness import RedisServer
 from tests.e2e.sentinel_support import SentinelGroup
 
 log = logging.getLogger(__name__)
@@ -125,13 +125,11 @@ def sentinel_group(tmp_path):
     group.stop()
 
 
-def test_killing_the_master_mid_load_fails_no_request_and_hits_resume_on_the_promoted_replica(
-    tiny_model_dir, sentinel_group, tmp_path
-):
+def test_killing_the_master_mid_load_fails_no_request_and_hits_resume_on_the_promoted_replica(sentinel_group, gunicorn):
     repeated = {"messages": [{"role": "user", "content": "What survives a failover?"}], "max_tokens": 8,
                 "temperature": 0}
-    with GunicornServer(tmp_path, workers=2, warmup=False, redis_url=sentinel_group.url(),
-                        redis_sentinel_password=SENTINEL_PASSWORD) as server:
+    with gunicorn(workers=2, warmup=False, redis_url=sentinel_group.url(),
+                  redis_sentinel_password=SENTINEL_PASSWORD) as server:
         assert cached(server.url, repeated) == "miss"
         assert cached(server.url, repeated) == "hit"
         with Load(server.url, repeated) as load:

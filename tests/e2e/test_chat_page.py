@@ -381,15 +381,9 @@ fetch(url, {
 """
 
 
-def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, tiny_model_dir,
-                                                                      tmp_path):
+def test_cors_lets_an_allowed_origin_call_the_api_and_refuses_others(browser, scripted_server, gunicorn):
     """A real browser's preflight and cross-origin stream: 127.0.0.1:port is allowed, localhost:port is not."""
-    from harness import GunicornServer
-
-    api = GunicornServer(
-        tmp_path, workers=1, api_keys=TEST_API_KEY,
-        cors_origins=scripted_server, warmup=False,
-    ).start()
+    api = gunicorn(workers=1, api_keys=TEST_API_KEY, cors_origins=scripted_server, warmup=False).start()
     try:
         url = f"{api.url}/v1/chat/completions"
         open_page(browser, scripted_server, api_key=None)

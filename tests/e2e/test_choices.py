@@ -8,26 +8,25 @@ import openai
 import pytest
 import requests
 
-from harness import GunicornServer, sse_payloads
+from harness import sse_payloads
 from service.api.responses import ChatCompletionChunk, CompletionChunk
-from tests.support import wait_until
+from tests.support import openai_client, wait_until
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]
 PROMPT = "Once upon a time, in a land of caches,"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(gunicorn):
     """Run Gunicorn with one worker of three running places and one queue place, so places are countable."""
-    with GunicornServer(tmp_path_factory.mktemp("choices"), workers=1, max_running=3, max_queue=1,
-                        max_tokens_limit=32000) as server:
+    with gunicorn(workers=1, max_running=3, max_queue=1, max_tokens_limit=32000) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     """Return an openai client of the server that never retries."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def contents(completion) -> list[str]:

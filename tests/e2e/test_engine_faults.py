@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from harness import COUNTING, REPO, GunicornServer, free_port
+from harness import COUNTING, REPO, free_port
 from tests.e2e.fault_injection import LOOP_FAULT_SEED, SEQUENCE_FAULT_SEED
 from tests.support import wait_until
 
@@ -26,16 +26,10 @@ READ_SECONDS = 60  # a stream still open after this hung (pings keep its socket 
 
 
 @pytest.fixture(scope="module")
-def fault_server(tiny_model_dir, tmp_path_factory):
+def fault_server(gunicorn):
     """Run one worker, with the default admission limits, whose engine fails on cue."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("engine-faults"),
-        workers=1,
-        app="tests.e2e.fault_injection:app",
-        max_tokens_limit=100_000,
-        max_generation_seconds=40,
-        sse_ping_seconds=0.2,
-    ) as server:
+    with gunicorn(workers=1, app="tests.e2e.fault_injection:app", max_tokens_limit=100_000, max_generation_seconds=40,
+                  sse_ping_seconds=0.2) as server:
         yield server
 
 

@@ -8,8 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from harness import GunicornServer
-
 NO_CACHE = {"Cache-Control": "no-cache"}
 
 
@@ -21,11 +19,9 @@ MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
-def small_budget_server(tiny_model_dir, tmp_path_factory):
+def small_budget_server(gunicorn):
     """Run one worker with a 1 MiB KV budget, a context window larger than that, and default limits otherwise."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("kv-budget"), workers=1, kv_cache_mb=1, max_model_len=16_384, sse_ping_seconds=0.2,
-    ) as server:
+    with gunicorn(workers=1, kv_cache_mb=1, max_model_len=16_384, sse_ping_seconds=0.2) as server:
         yield server
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from harness import COUNTING, GunicornServer, ready_facts
+from harness import COUNTING, ready_facts
 from tests.support import wait_until
 
 # Long enough to outlast every test step; the server's max_generation_seconds ends it in bounded time.
@@ -25,17 +25,10 @@ LIVENESS_SECONDS = 3.0  # far below GENERATION_SECONDS: a leaked slot would hold
 
 
 @pytest.fixture(scope="module")
-def single_slot_server(tiny_model_dir, tmp_path_factory):
+def single_slot_server(gunicorn):
     """Run one worker that generates one sequence at a time and queues one more."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("single-slot"),
-        workers=1,
-        max_running=1,
-        max_queue=1,
-        max_tokens_limit=100_000,
-        max_generation_seconds=GENERATION_SECONDS,
-        sse_ping_seconds=0.1,
-    ) as server:
+    with gunicorn(workers=1, max_running=1, max_queue=1, max_tokens_limit=100_000,
+                  max_generation_seconds=GENERATION_SECONDS, sse_ping_seconds=0.1) as server:
         yield server
 
 
@@ -161,12 +154,10 @@ def test_hanging_up_on_a_queued_non_streamed_request_frees_the_queue_place(singl
 
 
 @pytest.fixture(scope="module")
-def two_worker_server(tiny_model_dir, tmp_path_factory):
+def two_worker_server(gunicorn):
     """Run two workers whose generations end after a few seconds. The module's last test stops it."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("two-workers"), workers=2, max_tokens_limit=100_000,
-        max_generation_seconds=5, sse_ping_seconds=0.2, graceful_timeout=30,
-    ) as server:
+    with gunicorn(workers=2, max_tokens_limit=100_000, max_generation_seconds=5, sse_ping_seconds=0.2,
+                  graceful_timeout=30) as server:
         yield server
 
 

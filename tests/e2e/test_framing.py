@@ -18,7 +18,6 @@ from pathlib import Path
 import h11
 import pytest
 
-from harness import GunicornServer
 from service.api.nesting import MAX_JSON_DEPTH
 from service.process.arrival import FRAMING_BASE_BYTES, FRAMING_BODY_SHARE
 from service.settings import Settings
@@ -32,7 +31,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(gunicorn):
     """Gunicorn with its defaults on the echo app, sending its request counters to a statsd socket here."""
     statsd = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     # Every request of the module sends datagrams: room for them all, or a full buffer drops the
@@ -40,11 +39,11 @@ def server(tmp_path_factory):
     statsd.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
     statsd.bind(("127.0.0.1", 0))
     statsd.setblocking(False)
-    gunicorn = GunicornServer(tmp_path_factory.mktemp("framing"), app="tests.e2e.echo_app:app")
-    gunicorn.env["GUNICORN_CMD_ARGS"] = f"--statsd-host=127.0.0.1:{statsd.getsockname()[1]}"
-    gunicorn.statsd = statsd
-    with gunicorn:
-        yield gunicorn
+    server = gunicorn(app="tests.e2e.echo_app:app")
+    server.env["GUNICORN_CMD_ARGS"] = f"--statsd-host=127.0.0.1:{statsd.getsockname()[1]}"
+    server.statsd = statsd
+    with server:
+        yield server
     statsd.close()
 
 

@@ -117,12 +117,12 @@ def test_workers_report_threads_slot_and_timings(gunicorn_server):
         assert body["warmup_seconds"] > 0
 
 
-def test_pinned_workers_each_report_the_whole_worker_count(tmp_path):
+def test_pinned_workers_each_report_the_whole_worker_count(gunicorn):
     """Pinned to its own cores, a worker counted the cores it could still see: `workers: 1` while two ran."""
-    from harness import GunicornServer, scrape
+    from harness import scrape
     from service.topology import physical_cores
 
-    server = GunicornServer(tmp_path, workers=physical_cores(), pin_workers=True)
+    server = gunicorn(workers=physical_cores(), pin_workers=True)
     server.env["WORKERS"] = "0"  # the default, one worker per physical core
     with server:
         assert {facts["workers"] for facts in ready_facts(server).values()} == {server.workers}
@@ -153,39 +153,32 @@ def master_only(server):
 
 
 @pytest.mark.parametrize("unset", [True, False], ids=["unset", "empty"])
-def test_master_removes_its_default_metrics_folder(tmp_path, monkeypatch, unset):
+def test_master_removes_its_default_metrics_folder(monkeypatch, unset, gunicorn):
     """Each start made a /tmp/corechat-metrics-<pid> folder that outlived it.
     Empty (the example environment file's commented default, uncommented) means the default too."""
     import tempfile
-
-    from harness import GunicornServer
-
     if unset:
         monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     else:
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
-    with master_only(GunicornServer(tmp_path, workers=1)) as server:
+    with master_only(gunicorn(workers=1)) as server:
         default = Path(tempfile.gettempdir()) / f"corechat-metrics-{server.process.pid}"
         assert default.is_dir()
     assert not default.exists()
 
 
-def test_master_keeps_a_chosen_metrics_folder(tmp_path):
+def test_master_keeps_a_chosen_metrics_folder(tmp_path, gunicorn):
     """A folder the operator chose outlives the master."""
-    from harness import GunicornServer
-
     chosen = tmp_path / "metrics"
-    with master_only(GunicornServer(tmp_path, workers=1, prometheus_multiproc_dir=chosen)):
+    with master_only(gunicorn(workers=1, prometheus_multiproc_dir=chosen)):
         assert chosen.is_dir()
     assert chosen.is_dir()
 
 
-def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(tmp_path):
+def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(gunicorn):
     """oneDNN keeps a compiled primitive per prompt length (1,024 by default), each holding memory;
     gunicorn.conf.py caps them, so 70 new lengths leave a worker's memory as it was."""
-    from harness import GunicornServer
-
-    with GunicornServer(tmp_path, workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:
+    with gunicorn(workers=1, dtype="bfloat16", prefix_cache_mb=0) as server:
         worker = server.worker_pids()[0]
 
         def ask(words: int) -> None:

@@ -6,7 +6,7 @@ import shutil
 
 import requests
 
-from harness import GunicornServer, finished_by_worker
+from harness import finished_by_worker
 
 REPLY_TOKENS = 24
 MOST_TRIES = 30
@@ -33,10 +33,10 @@ def answered_by(server, messages: list[dict]) -> tuple[dict, int]:
     return body, pid
 
 
-def test_the_next_turn_on_the_other_worker_reuses_the_first_workers_kv_and_equals_the_cold_reply(tmp_path):
+def test_the_next_turn_on_the_other_worker_reuses_the_first_workers_kv_and_equals_the_cold_reply(tmp_path, gunicorn):
     """Turn 1 goes to one worker; follow-ups are sent until the other worker answers one: that one
     reuses at least turn 1's prompt, stored by the first worker, and equals its cold reply."""
-    with GunicornServer(tmp_path) as server:
+    with gunicorn() as server:
         conversation = [{"role": "user", "content": "Describe the harbour at dawn, please."}]
         first, first_pid = answered_by(server, conversation)
         prompt_tokens = first["usage"]["prompt_tokens"]

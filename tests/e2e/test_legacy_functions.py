@@ -5,12 +5,11 @@ Random weights never choose to call a function, so the calls are forced with a n
 
 import json
 
-import openai
 import pytest
 import requests
 from jsonschema import Draft202012Validator
 
-from harness import GunicornServer
+from tests.support import openai_client
 
 PARAMETERS = {
     "type": "object",
@@ -29,16 +28,16 @@ FORCED = {"name": "get_weather"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(gunicorn):
     """Run Gunicorn with one worker on the tiny model."""
-    with GunicornServer(tmp_path_factory.mktemp("legacy-functions"), workers=1) as server:
+    with gunicorn(workers=1) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     """Return an openai client of the server that never retries."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def assert_follows_the_schema(arguments: str) -> None:

@@ -10,13 +10,9 @@ USER = [{"role": "user", "content": "Write a haiku about CPUs."}]
 
 
 @pytest.fixture(scope="module")
-def limited_gunicorn(tiny_model_dir, tmp_path_factory):
+def limited_gunicorn(gunicorn):
     """Run one Gunicorn worker with a 4 KiB body limit."""
-    from harness import GunicornServer
-
-    with GunicornServer(
-        tmp_path_factory.mktemp("limits"), workers=1, max_request_bytes=4096
-    ) as server:
+    with gunicorn(workers=1, max_request_bytes=4096) as server:
         yield server
 
 

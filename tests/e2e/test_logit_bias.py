@@ -5,11 +5,10 @@ each bias apart, and every out-of-bounds entry is a 400."""
 import json
 import threading
 
-import openai
 import pytest
 import requests
 
-from harness import GunicornServer
+from tests.support import openai_client
 
 USER = [{"role": "user", "content": "Tell me about the sea."}]
 HELLO = 9707  # "Hello" in Qwen2.5's vocabulary, which the tiny dev model has
@@ -17,16 +16,16 @@ VOCAB_SIZE = 151665
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(gunicorn):
     """Run Gunicorn with one worker, so concurrent requests share its batches."""
-    with GunicornServer(tmp_path_factory.mktemp("logit-bias"), workers=1) as server:
+    with gunicorn(workers=1) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     """Return an openai client of the server that never retries."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def greedy(client, **params):

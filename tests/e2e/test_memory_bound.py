@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from devtools.devmodel import build_dev_model
-from harness import GunicornServer, ready_facts
+from harness import ready_facts
 from service.engine.memory import PAGE_TOKENS
 from service.settings import Settings
 
@@ -88,11 +88,11 @@ def tmpfs_folder():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_long_prompts_beyond_the_kv_budget_wait_and_a_workers_memory_stays_within_it(kv_heavy_model_dir, tmp_path,
-                                                                                     tmpfs_folder):
+def test_long_prompts_beyond_the_kv_budget_wait_and_a_workers_memory_stays_within_it(kv_heavy_model_dir,
+                                                                                     tmpfs_folder, gunicorn):
     defaults = Settings()
-    with GunicornServer(tmp_path, workers=defaults.worker_count, model=str(kv_heavy_model_dir),
-                        model_name="kv-heavy", prefix_cache_dir=tmpfs_folder) as server:
+    with gunicorn(workers=defaults.worker_count, model=str(kv_heavy_model_dir), model_name="kv-heavy",
+                  prefix_cache_dir=tmpfs_folder) as server:
         pids = server.worker_pids()
         facts = ready_facts(server)
         page_bytes = PAGE_TOKENS * next(iter(facts.values()))["kv_bytes_per_token"]

@@ -3,11 +3,10 @@
 import json
 import shutil
 
-import openai
 import pytest
 import requests
 
-from harness import GunicornServer
+from tests.support import openai_client
 from tests.unit.test_message_names import said_by
 
 # Qwen2.5's user turn, with the speaker's name after the role when the message has one.
@@ -31,9 +30,9 @@ def named_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(named_model_dir, tmp_path_factory):
+def server(named_model_dir, gunicorn):
     """Run Gunicorn with one worker on the model whose template renders names."""
-    with GunicornServer(tmp_path_factory.mktemp("named-gunicorn"), workers=1, model=named_model_dir) as server:
+    with gunicorn(workers=1, model=named_model_dir) as server:
         yield server
 
 
@@ -44,7 +43,7 @@ def test_the_rendered_prompt_carries_the_name(server):
 
 
 def test_each_name_is_prompted_and_cached_apart(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server)
 
     def x_cache(name: str | None) -> tuple[str, int]:
         response = client.chat.completions.with_raw_response.create(

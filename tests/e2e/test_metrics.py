@@ -96,12 +96,9 @@ def metrics_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory, metrics_dir):
+def server(metrics_dir, gunicorn):
     """Run 2 workers that generate one sequence at a time, so extra streams wait in the queue."""
-    from harness import GunicornServer
-
-    with GunicornServer(
-        tmp_path_factory.mktemp("metrics"),
+    with gunicorn(
         workers=2,
         max_model_len=16_384,
         max_tokens_limit=15_000,

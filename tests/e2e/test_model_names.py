@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from harness import GunicornServer
+from tests.support import openai_client
 
 HUB_ID = "corechat-test/tiny-chat"
 ALIASES = "demo-qwen2.5-0.5b, team-default"
@@ -35,7 +36,7 @@ def hub_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(hub_server):
     """Return an openai client of the hub-id server that never retries."""
-    return openai.OpenAI(base_url=f"{hub_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(hub_server)
 
 
 def test_models_list_every_alias_then_the_hub_id(client):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from harness import COUNTING, GunicornServer
+from harness import COUNTING
 from tests.e2e.deploy_support import NginxServer
 from tests.support import wait_until
 
@@ -23,35 +23,29 @@ PING_SECONDS = 0.5
 GENERATION_CAP_SECONDS = 5
 
 
-def start_stack(tmp_path_factory, tiny_model_dir, **settings):
+def start_stack(gunicorn, nginx_dir, **settings):
     """Start one single-worker Gunicorn and nginx in front of it; return both."""
-    gunicorn = GunicornServer(
-        tmp_path_factory.mktemp("gunicorn"),
-        workers=1,
-        max_model_len=4096,
-        sse_ping_seconds=PING_SECONDS,
-        max_generation_seconds=GENERATION_CAP_SECONDS,
-        **settings,
-    )
+    upstream = gunicorn(workers=1, max_model_len=4096, sse_ping_seconds=PING_SECONDS,
+                        max_generation_seconds=GENERATION_CAP_SECONDS, **settings)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify_path = gunicorn.log_path.parent / "notify"
+    notify_path = upstream.log_path.parent / "notify"
     notify.bind(str(notify_path))
-    gunicorn.env["NOTIFY_SOCKET"] = str(notify_path)
-    gunicorn.start()
+    upstream.env["NOTIFY_SOCKET"] = str(notify_path)
+    upstream.start()
     notify.settimeout(10)
-    gunicorn.notifications = notify.recv(4096).decode()
+    upstream.notifications = notify.recv(4096).decode()
     notify.close()
-    nginx = NginxServer(tmp_path_factory.mktemp("nginx"), [gunicorn.port], read_timeout=f"{READ_TIMEOUT_SECONDS}s")
-    return gunicorn, nginx.start()
+    nginx = NginxServer(nginx_dir, [upstream.port], read_timeout=f"{READ_TIMEOUT_SECONDS}s")
+    return upstream, nginx.start()
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model_dir):
+def stack(tmp_path_factory, gunicorn):
     """Gunicorn (one worker, one running sequence) behind the shipped nginx config."""
-    gunicorn, nginx = start_stack(tmp_path_factory, tiny_model_dir, max_running=1)
-    yield gunicorn, nginx
+    upstream, nginx = start_stack(gunicorn, tmp_path_factory.mktemp("nginx"), max_running=1)
+    yield upstream, nginx
     nginx.stop()
-    gunicorn.stop()
+    upstream.stop()
 
 
 def read_stream(nginx: NginxServer, body: dict, events: list, on_first_data=None) -> None:

@@ -3,20 +3,15 @@
 import openai
 import pytest
 
-from tests.support import TEST_API_KEY
+from tests.support import TEST_API_KEY, openai_client
 
 USER = [{"role": "user", "content": "Write a short poem about caches."}]
-
-
-def make_client(server, api_key: str = TEST_API_KEY) -> openai.OpenAI:
-    """Return an openai client of the server that never retries (so errors surface as they are)."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def client(keyed_server):
     """Return an openai client with the right key."""
-    return make_client(keyed_server)
+    return openai_client(keyed_server, api_key=TEST_API_KEY)
 
 
 def streamed(client, **params) -> tuple[str, list]:
@@ -100,8 +95,9 @@ def test_too_many_tokens_raises_bad_request_error_naming_the_limit(client):
 
 
 def test_wrong_key_raises_authentication_error(keyed_server):
+    wrong = openai_client(keyed_server, api_key="sk-wrong")
     with pytest.raises(openai.AuthenticationError) as raised:
-        make_client(keyed_server, api_key="sk-wrong").chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+        wrong.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
     error = raised.value
     assert error.status_code == 401
     assert error.code == "invalid_api_key"

@@ -14,6 +14,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field
 
+from tests.support import openai_client
+
 WEATHER_PARAMETERS = {
     "type": "object",
     "properties": {
@@ -73,7 +75,7 @@ CONSTRAINED_REPLIES = 50
 @pytest.fixture(scope="module")
 def client(default_server):
     """Return an openai client of a server run with the defaults; it never retries."""
-    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(default_server)
 
 
 def assert_calls_follow_the_schema(tool_calls, allowed_names: set[str]) -> None:

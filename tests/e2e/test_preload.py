@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness import GunicornServer, chat, cpu_ticks_by_thread, ready_facts, send_until_every_worker_served, threads_of
+from harness import chat, cpu_ticks_by_thread, ready_facts, send_until_every_worker_served, threads_of
 from service.engine import SamplingParams, TextDelta
 from service.settings import Settings
 from service.topology import physical_cores
@@ -22,9 +22,9 @@ LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lig
 
 
 @pytest.fixture(scope="module")
-def default_server(tiny_model_dir, tmp_path_factory):
+def default_server(gunicorn):
     """Run Gunicorn with the defaults of `make serve` (one worker per core, PRELOAD_LIBRARIES on)."""
-    with GunicornServer(tmp_path_factory.mktemp("preload"), workers=physical_cores()) as server:
+    with gunicorn(workers=physical_cores()) as server:
         yield server
 
 
@@ -112,9 +112,9 @@ def test_a_worker_forked_after_the_master_served_for_a_while_works(default_serve
     assert all(served.values()), served
 
 
-def test_a_forked_worker_runs_its_own_intra_op_thread_pool(tiny_model_dir, tmp_path):
+def test_a_forked_worker_runs_its_own_intra_op_thread_pool(gunicorn):
     """With two torch threads, a long prompt keeps two threads of the forked worker busy."""
-    with GunicornServer(tmp_path, workers=1, torch_threads=2, warmup="false") as server:
+    with gunicorn(workers=1, torch_threads=2, warmup="false") as server:
         (pid,) = server.worker_pids()
         assert ready_facts(server)[pid]["torch_threads"] == 2
         before = cpu_ticks_by_thread(pid)
@@ -125,9 +125,9 @@ def test_a_forked_worker_runs_its_own_intra_op_thread_pool(tiny_model_dir, tmp_p
     assert used[1] >= 0.25 * used[0], used[:4]
 
 
-def test_without_preloading_the_master_never_loads_torch(tiny_model_dir, tmp_path):
+def test_without_preloading_the_master_never_loads_torch(gunicorn):
     """PRELOAD_LIBRARIES=false keeps torch out of the master, as before preloading existed."""
-    with GunicornServer(tmp_path, workers=1, preload_libraries="false", warmup="false") as server:
+    with gunicorn(workers=1, preload_libraries="false", warmup="false") as server:
         assert "libtorch" not in maps_of(server.process.pid)
         (pid,) = server.worker_pids()
         assert "libtorch_cpu" in maps_of(pid)

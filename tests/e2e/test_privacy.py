@@ -8,7 +8,7 @@ import pytest
 import redis
 import requests
 
-from harness import GunicornServer, RedisServer
+from harness import RedisServer
 from service.settings import Settings
 from tests.contract import assert_matches_contract
 
@@ -28,19 +28,17 @@ def locked_redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_model_dir, locked_redis, tmp_path_factory):
+def keyed(locked_redis, gunicorn):
     """Run a server with two API keys and the default per-key cache scope."""
-    with GunicornServer(tmp_path_factory.mktemp("keyed"), workers=1, warmup=False, api_keys=",".join(KEYS),
-                        redis_url=locked_redis.url) as server:
+    with gunicorn(workers=1, warmup=False, api_keys=",".join(KEYS), redis_url=locked_redis.url) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def trusting(tiny_model_dir, locked_redis, tmp_path_factory):
+def trusting(locked_redis, gunicorn):
     """Run a server whose keys share the cache and whose callers may write control tokens."""
-    with GunicornServer(tmp_path_factory.mktemp("trusting"), workers=1, warmup=False, api_keys=",".join(KEYS),
-                        redis_url=locked_redis.url, cache_scope="shared",
-                        trust_control_tokens_in_messages=True) as server:
+    with gunicorn(workers=1, warmup=False, api_keys=",".join(KEYS), redis_url=locked_redis.url, cache_scope="shared",
+                  trust_control_tokens_in_messages=True) as server:
         yield server
 
 

@@ -13,17 +13,11 @@ CHAT = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_to
 
 
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory, tiny_model_dir):
+def two_hosts(tmp_path_factory, gunicorn):
     """Start Redis from the shipped config, two single-worker instances on it, and nginx before them."""
     redis = ShippedRedis(tmp_path_factory.mktemp("redis")).start()
-    instances = [
-        GunicornServer(
-            tmp_path_factory.mktemp("gunicorn"), workers=1, redis_url=redis.url(),
-            # A short lease, so a leader renews it (a Lua script) several times in one reply.
-            cache_lease_seconds=0.6,
-        )
-        for _ in range(2)
-    ]
+    # A short lease, so a leader renews it (a Lua script) several times in one reply.
+    instances = [gunicorn(workers=1, redis_url=redis.url(), cache_lease_seconds=0.6) for _ in range(2)]
     try:
         for instance in instances:
             instance.start()

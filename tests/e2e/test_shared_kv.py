@@ -4,7 +4,7 @@ lands on another host fetches its conversation's KV state and answers with the s
 import pytest
 import requests
 
-from harness import GunicornServer, RedisServer, ready_facts
+from harness import RedisServer, ready_facts
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 QUESTION = "Please keep count of the words I say: " + "apple banana cherry " * 30
@@ -34,11 +34,11 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hosts(redis_server, tmp_path_factory):
+def hosts(redis_server, gunicorn):
     """Run two 'hosts': Gunicorn servers with folders of their own, sharing one Redis for KV state."""
     settings = {"workers": 1, "redis_url": redis_server.url, "shared_kv_ttl_seconds": 600, "max_model_len": 2048}
-    with (GunicornServer(tmp_path_factory.mktemp("host-a"), **settings) as first,
-          GunicornServer(tmp_path_factory.mktemp("host-b"), **settings) as second):
+    with (gunicorn(**settings) as first,
+          gunicorn(**settings) as second):
         yield first, second
 
 

@@ -1,12 +1,10 @@
 """`POST /tokenize` and `POST /detokenize` through real Gunicorn: llama.cpp's and vLLM's bodies, round trips,
 the same key and body limits as the API, and a 4xx in OpenAI's shape for every id that is not one."""
 
-import openai
 import pytest
 import requests
 
-from harness import GunicornServer
-from tests.support import TEST_API_KEY
+from tests.support import TEST_API_KEY, openai_client
 
 KEY = {"Authorization": f"Bearer {TEST_API_KEY}"}
 TEXTS = ["Hello world", "  spaces  and\ttabs\n\nnewlines ", "naïve café, 東京, 🙂👍🏽",
@@ -17,11 +15,10 @@ VOCAB_SIZE = 151665
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(gunicorn):
     """Run Gunicorn with one worker that needs TEST_API_KEY, takes bodies of at most 64 KiB and sequences of
     at most 4096 tokens."""
-    with GunicornServer(tmp_path_factory.mktemp("tokenize"), workers=1, api_keys=TEST_API_KEY,
-                        max_request_bytes=64 * 1024, max_model_len=4096) as server:
+    with gunicorn(workers=1, api_keys=TEST_API_KEY, max_request_bytes=64 * 1024, max_model_len=4096) as server:
         yield server
 
 
@@ -55,7 +52,7 @@ def test_control_tokens_typed_in_text_are_the_special_tokens(server):
 
 
 def test_messages_count_what_a_chat_request_with_them_is_charged(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    client = openai_client(server, api_key=TEST_API_KEY)
     completion = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
     counted = tokens_of(server, model="tiny", messages=USER)
     assert counted["count"] == completion.usage.prompt_tokens

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from harness import COUNTING, GunicornServer, StreamingClient, cpu_ticks_by_thread
+from harness import COUNTING, StreamingClient, cpu_ticks_by_thread
 from service.settings import Settings
 
 # A stream that outlasts the test.
@@ -20,8 +20,8 @@ LONG_STREAM = {"messages": COUNTING, "max_tokens": Settings.model_construct().ma
 
 @pytest.mark.parametrize("option",
                          ["--proxy-protocol=v1", "--casefold-http-method", "--permit-unconventional-http-method"])
-def test_gunicorn_settings_the_worker_cannot_honour_stop_it_at_start_with_the_reason(tmp_path, option):
-    server = GunicornServer(tmp_path, workers=1)
+def test_gunicorn_settings_the_worker_cannot_honour_stop_it_at_start_with_the_reason(option, gunicorn):
+    server = gunicorn(workers=1)
     server.env["GUNICORN_CMD_ARGS"] = option
     server.launch()
     assert server.process.wait(60) != 0
@@ -49,25 +49,25 @@ def served_from(address: str, port: int) -> bool:
             return False  # closed with the probe unread
 
 
-def test_peers_outside_loopback_and_allowed_networks_are_closed_at_once(tmp_path):
+def test_peers_outside_loopback_and_allowed_networks_are_closed_at_once(gunicorn):
     """Bound to every interface, as a multi-host BIND: a peer from this host's own network address is
     not loopback, so it is served only once ALLOWED_NETWORKS lists it."""
     address = own_address()
     for allowed, served in (("", False), (f"{address}/32", True)):
-        server = GunicornServer(tmp_path, workers=1, allowed_networks=allowed)
+        server = gunicorn(workers=1, allowed_networks=allowed)
         server.env["BIND"] = f"0.0.0.0:{server.port}"
         with server:
             assert served_from("127.0.0.1", server.port)
             assert served_from(address, server.port) is served
 
 
-def test_a_draining_worker_does_not_spin_on_a_connection_waiting_in_the_backlog(tmp_path):
+def test_a_draining_worker_does_not_spin_on_a_connection_waiting_in_the_backlog(gunicorn):
     """SIGTERM makes a worker stop listening while its stream goes on. The master's copy of the
     listener keeps the socket open, so a connection can wait in its backlog with no one to accept it
     (the master is stopped here, so no new worker takes it): a listener closed while still in the
     worker's epoll woke its event loop without end. The loop's own thread is measured (the engine's
     threads generate the stream meanwhile); one worker, to know whose."""
-    with GunicornServer(tmp_path, workers=1) as server:
+    with gunicorn(workers=1) as server:
         (worker,) = server.worker_pids()
         stream = StreamingClient(server.url, LONG_STREAM)
         stream.wait_for_chunks(1)
