@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from harness import sse_payloads
 from service.engine import SamplingParams
 from tests.support import started_engine
 
@@ -24,23 +25,11 @@ def chat(client, **body):
     return client.post("/v1/chat/completions", json={"messages": USER, **body})
 
 
-def sse_events(response) -> list[str]:
-    """Split an SSE body into its events, keeping comment lines."""
+def stream_payloads(response) -> list:
+    """Return the payloads of a whole streamed response, which must end with a whole event."""
     body = response.get_data(as_text=True)
     assert body.endswith("\n\n")
-    return body[:-2].split("\n\n")
-
-
-def data_payloads(events) -> list:
-    """Return the JSON payloads of data events, and the final [DONE] marker as a string."""
-    payloads = []
-    for event in events:
-        if event.startswith(":"):
-            continue
-        assert event.startswith("data: ")
-        raw = event[len("data: ") :]
-        payloads.append(raw if raw == "[DONE]" else json.loads(raw))
-    return payloads
+    return sse_payloads(body)
 
 
 def test_non_streaming_reply_is_a_chat_completion(client):
@@ -68,7 +57,7 @@ def test_stream_frames_role_content_finish_usage_then_done(client):
     assert response.mimetype == "text/event-stream"
     assert response.headers["Cache-Control"] == "no-cache"
     assert response.headers["X-Accel-Buffering"] == "no"
-    payloads = data_payloads(sse_events(response))
+    payloads = stream_payloads(response)
     assert payloads[-1] == "[DONE]"
     chunks = payloads[:-1]
     assert len({chunk["id"] for chunk in chunks}) == 1
@@ -87,7 +76,7 @@ def test_stream_frames_role_content_finish_usage_then_done(client):
 
 
 def test_stream_without_usage_option_has_no_usage_field(client):
-    payloads = data_payloads(sse_events(chat(client, max_tokens=2, seed=4, stream=True)))
+    payloads = stream_payloads(chat(client, max_tokens=2, seed=4, stream=True))
     assert all("usage" not in chunk for chunk in payloads[:-1])
     assert payloads[-2]["choices"][0]["finish_reason"] == "length"
 

@@ -4,7 +4,6 @@ Every behaviour is checked against a real redis-server and, where the embedded s
 in-process store too.
 """
 
-import json
 import re
 import socket
 import threading
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from harness import RedisServer
+from harness import DONE, RedisServer, sse_payloads
 from service.api.chat_request import parse_chat_request
 from service.app import create_app
 from service.cache import CachedReply, cache_key
@@ -47,13 +46,8 @@ def post(app, body, headers=None):
 
 def content_chunks(body: str) -> list[str]:
     """Return the content deltas of an SSE body in order."""
-    chunks = []
-    for event in body.split("\n\n"):
-        if event.startswith("data: {"):
-            choices = json.loads(event[len("data: ") :])["choices"]
-            if choices and choices[0]["delta"].get("content"):
-                chunks.append(choices[0]["delta"]["content"])
-    return chunks
+    return [payload["choices"][0]["delta"]["content"] for payload in sse_payloads(body)
+            if payload != DONE and payload["choices"] and payload["choices"][0]["delta"].get("content")]
 
 
 def without_ids(text: str) -> str:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from harness import DONE, sse_payloads
 from service.app import create_app
 from tests.support import started_engine
 
@@ -108,9 +109,9 @@ def test_generation_time_limit_ends_a_reply_with_finish_reason_length(short_dead
 def test_generation_time_limit_ends_a_stream_with_finish_reason_length(short_deadline_client):
     body = {"messages": USER, "max_tokens": 30000, "temperature": 0, "stream": True}
     text = short_deadline_client.post("/v1/chat/completions", json=body).get_data(as_text=True)
-    events = [event[len("data: ") :] for event in text.strip().split("\n\n") if event.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    payloads = sse_payloads(text)
+    assert payloads[-1] == DONE
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(

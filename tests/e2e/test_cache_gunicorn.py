@@ -19,12 +19,14 @@ import requests
 from transformers import AutoTokenizer
 
 from harness import (
+    DONE,
     GunicornServer,
     RedisServer,
     StreamingClient,
     finished_by_worker,
     ready_facts,
     scrape,
+    sse_payloads,
     stream_reply,
     value,
     wait_for_samples,
@@ -344,10 +346,10 @@ def test_a_slow_leader_client_keeps_the_lease_and_nobody_generates_twice(two_wor
             received += chunk
     finally:
         slow.close()
-    leader_text = "".join(
-        json.loads(line[len(b"data: "):])["choices"][0]["delta"].get("content", "")
-        for line in received.split(b"\n") if line.startswith(b'data: {"id"') and b'"choices":[{' in line
-    )
+    # The raw HTTP/1.1 bytes: headers and chunk sizes around the events.
+    leader_text = "".join(payload["choices"][0]["delta"].get("content", "")
+                          for payload in sse_payloads(received, strict=False)
+                          if payload != DONE and "id" in payload and payload["choices"])
     assert follower.text.endswith(leader_text) and len(leader_text) > len(follower.text) // 2
 
 

@@ -5,7 +5,6 @@ worker (see there why); everything else runs as `make serve` runs it, with the d
 limits (MAX_RUNNING 8, MAX_QUEUE 16).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from harness import COUNTING, REPO, free_port
+from harness import COUNTING, DONE, REPO, free_port, sse_stream
 from tests.e2e.fault_injection import LOOP_FAULT_SEED, SEQUENCE_FAULT_SEED
 from tests.support import wait_until
 
@@ -40,12 +39,11 @@ def read_stream(server, body: dict) -> dict:
     with requests.post(f"{server.url}/v1/chat/completions", json=body, headers=NO_CACHE, stream=True,
                        timeout=30) as response:
         outcome["status"] = response.status_code
-        for line in response.iter_lines(decode_unicode=True):
-            if line == "data: [DONE]":
+        for payload in sse_stream(response.iter_lines(decode_unicode=True)):
+            if payload == DONE:
                 outcome["done"] = True
                 break
-            if line.startswith("data: "):
-                outcome["payloads"].append(json.loads(line[len("data: "):]))
+            outcome["payloads"].append(payload)
             if time.monotonic() - began > READ_SECONDS:
                 break
     return outcome

@@ -1,12 +1,13 @@
 """What bounds a worker's KV memory, through Gunicorn: requests beyond the KV budget wait and complete, and
 one that could never fit gets a 400."""
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+
+from harness import DONE, sse_payload
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 
@@ -38,12 +39,13 @@ def stream_to_end(server, body: dict) -> dict:
                        stream=True, timeout=120) as response:
         assert response.status_code == 200, response.text
         for line in response.iter_lines(decode_unicode=True):
+            payload = sse_payload(line)
             if line.startswith(": ping") and not seen_content:
                 outcome["pinged_first"] = True
-            elif line == "data: [DONE]":
+            elif payload == DONE:
                 outcome["done"] = True
-            elif line.startswith("data: "):
-                choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+            elif payload is not None:
+                choices = payload.get("choices") or [{}]
                 seen_content = seen_content or bool(choices[0].get("delta", {}).get("content"))
                 outcome["finish_reason"] = choices[0].get("finish_reason") or outcome["finish_reason"]
     return outcome

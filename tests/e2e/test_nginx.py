@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from harness import COUNTING
+from harness import COUNTING, DONE, sse_payload
 from tests.e2e.deploy_support import NginxServer
 from tests.support import wait_until
 
@@ -55,13 +55,14 @@ def read_stream(nginx: NginxServer, body: dict, events: list, on_first_data=None
         assert response.status_code == 200, response.text
         for line in response.iter_lines(decode_unicode=True):
             now = time.monotonic()
+            payload = sse_payload(line)
             if line.startswith(": ping"):
                 events.append(("ping", now))
-            elif line == "data: [DONE]":
+            elif payload == DONE:
                 events.append(("done", now))
-            elif line.startswith("data: "):
-                kind = "content" if '"content":""' not in line and '"content"' in line else "data"
-                events.append((kind, now))
+            elif payload is not None:
+                content = any(choice.get("delta", {}).get("content") for choice in payload.get("choices", []))
+                events.append(("content" if content else "data", now))
                 if on_first_data:
                     on_first_data()
                     on_first_data = None

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from bench.peer import cpu_flags_key, model_key, server_command, shown_command
-from bench.run import stream_chat
 from bench.versus import render
+from harness import stream_chat
 
 # What llama-server (llama.cpp b1-0c1e570, vendored by llama-cpp-python 0.3.36) streamed for a
 # 4-token greedy reply on the tiny model, with include_usage; ids, paths and timings shortened.
