@@ -4,7 +4,7 @@
 
 Two views of the same path. Served: real Gunicorn with the default workers and threads and
 LOG_LEVEL=debug, the benchmark's streaming client, and each request's `first token timings` line
-(service/observed.py) split into: before the engine's queue (parsing, chat template, tokenizer,
+(service/observability/observed.py) split into: before the engine's queue (parsing, chat template, tokenizer,
 response cache lookup), the queue, the prompt pass, the rest up to the first text (sampling, text,
 the cache's relay), and the first write. In-process: the same engine on one thread (a default
 worker's share of this machine), timing the chat template, the tokenizer, the queue handoff, the

@@ -4,12 +4,13 @@
 in-process on the 0.5B dev model (random weights, Qwen2.5's shapes and 151,936-token vocabulary)
 with the settings' defaults, one thread, and submits 1 or 8 greedy generations at once, each
 `tokens` long, free or under a typical nested schema (SCHEMA: objects, arrays, enums, numbers,
-strings; its strings are unbounded, so replies run their full length, mostly inside strings). Decode tok/s is the tokens
-generated after each stream's first, over the time from the first stream's first token to the
-last stream's end; the best of `rounds`. Since tok/s on a shared machine moves by several percent
-between runs, the probe also times the engine's masking itself (service.engine.scheduler.mask_logits,
-wrapped) and reports its median per decode step and its share of the schema run's step time. It
-prints a table and writes bench/results/<machine>/grammar-decode.json and .md.
+strings; its strings are unbounded, so replies run their full length, mostly inside strings). Decode
+tok/s is the tokens generated after each stream's first, over the time from the first stream's first
+token to the last stream's end; the best of `rounds`. Since tok/s on a shared machine moves by
+several percent between runs, the probe also times the engine's masking itself
+(service.engine.scheduler.mask_logits, wrapped) and reports its median per decode step and its share
+of the schema run's step time. It prints a table and writes
+bench/results/<machine>/grammar-decode.json and .md.
 """
 
 import argparse
