@@ -28,11 +28,9 @@ def chat(server, **body) -> requests.Response:
     )
 
 
-
 def short_chat(tag: str) -> list[dict]:
     """Return a short one-turn chat, made unique by a tag so no response cache answers it."""
     return [{"role": "user", "content": f"({tag}) {SHORT_PROMPT}"}]
-
 
 
 @dataclass
@@ -142,7 +140,6 @@ def stream_reply(url: str, body: dict, reply: dict, joined: threading.Event | No
                     reply["chunks"].append(content)
         except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
             reply["broken"] = True  # the serving worker died
-
 
 
 class StreamingClient:

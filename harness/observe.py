@@ -36,7 +36,6 @@ def finished_by_worker(server) -> dict[int, int]:
     return {pid: facts["requests_finished"] for pid, facts in ready_facts(server).items()}
 
 
-
 def send_until_every_worker_served(server, send_round, most_rounds: int) -> dict[int, int]:
     """Call send_round until every worker has finished a generation since (or most_rounds calls);
     return how many each finished. The kernel may hand many connections in a row to one worker, and a
@@ -48,7 +47,6 @@ def send_until_every_worker_served(server, send_round, most_rounds: int) -> dict
         if all(served.values()):
             break
     return served
-
 
 
 def parse_samples(text: str) -> dict[tuple, float]:

@@ -26,7 +26,6 @@ def anonymous_megabytes(pid: int | str = "self") -> float:
     raise AssertionError(f"no Anonymous line for {pid}")
 
 
-
 def file_mappings(path) -> list[tuple[int, int, str]]:
     """Return this process's memory mappings of a file: (start, end, permissions)."""
     mappings = []
@@ -37,7 +36,6 @@ def file_mappings(path) -> list[tuple[int, int, str]]:
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 mappings.append((start, end, fields[1]))
     return mappings
-
 
 
 def threads_of(pid: int) -> list[int]:
