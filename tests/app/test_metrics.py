@@ -5,10 +5,7 @@ import time
 
 import pytest
 
-from harness import (
-    COUNTING,
-    parse_samples,
-)
+from harness import COUNTING, parse_samples
 from service.engine import SamplingParams, TextDelta
 from service.observability import metrics
 from service.observability.observed import EngineWork, ObservedGeneration

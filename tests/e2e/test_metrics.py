@@ -12,15 +12,7 @@ import pytest
 import requests
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from harness import (
-    COUNTING,
-    chat,
-    ready_facts,
-    scrape,
-    send_until_every_worker_served,
-    value,
-    wait_for_samples,
-)
+from harness import COUNTING, chat, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
 
 STREAMS = 4
 
