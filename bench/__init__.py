@@ -1,12 +1,31 @@
-"""corechat's benchmark: `python bench/run.py` (see docs/performance.md), and its probes."""
+"""corechat's benchmark suite: `python bench/run.py` and the scripts beside it, the micro-probes in
+bench/probes/, and what they share: where results go and what they record, how a benchmark starts
+corechat, and its progress lines. The servers and the client come from harness/, as in the tests.
+
+Results go to bench/results/<machine>/<name>.json and .md, the machine named by its CPU model and
+the best instruction-set path corechat's kernels build for it (two CPUs sold under one name, such as
+AMD EPYCs with and without AVX-512, get folders of their own), and every file records the CPU, its
+kernel paths, the date and the commit.
+"""
 
 import json
+import os
+import re
 import subprocess
+import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness import GunicornServer
+from service.topology import physical_cores
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Where the benchmarks build their dev models and llama.cpp.
+CACHE_DIR = Path.home() / ".cache" / "corechat"
+# The context of one sequence, corechat's MAX_MODEL_LEN and each of llama-server's slots alike.
+CONTEXT_TOKENS = 4096
 
 
 def cpu_model() -> str:
@@ -38,17 +57,47 @@ def machine() -> dict[str, str]:
 
 def _online_cpus() -> set[int]:
     """Return the CPUs this process may run on."""
-    import os
-
     return os.sched_getaffinity(0)
 
 
-def save_results(name: str, results: dict, table: str, results_dir: Path = RESULTS_DIR) -> None:
-    """Print a probe's table and write it, with the figures behind it and the machine, to <name>.md and <name>.json."""
+def machine_folder(cpu: str, paths: str) -> str:
+    """Return the results folder of a machine: its CPU model and its best kernel path, e.g. amd-epyc-avx512-vnni."""
+    model = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", cpu.lower())
+    words = re.findall(r"[a-z0-9]+", f"{model} {paths.split(',')[-1]}")
+    return "-".join(words) or "unknown"
+
+
+def save_results(name: str, results: dict, table: str, results_dir: Path | None = None) -> Path:
+    """Print a probe's table and write it, with the figures behind it and the machine, to <name>.md and <name>.json.
+
+    The files go to this machine's folder under bench/results/ unless results_dir names another;
+    return their path without the suffix. A probe's own `machine` entries (its cores, its load) are
+    kept beside the record.
+    """
     where = machine()
     header = (f"{where['cpu']} ({where['cpus']} CPUs; kernel paths {where['kernel_paths']}), {where['date']}, "
               f"commit {where['commit']}\n\n")
     print(header + table)
+    results_dir = results_dir or RESULTS_DIR / machine_folder(where["cpu"], where["kernel_paths"])
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{name}.json").write_text(json.dumps({"machine": where, **results}, indent=2) + "\n")
+    record = {**results, "machine": {**results.get("machine", {}), **where}}
+    (results_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     (results_dir / f"{name}.md").write_text(header + table)
+    return results_dir / name
+
+
+def start_corechat(log_dir: Path, model_dir: Path, redis_url: str, **settings) -> tuple[GunicornServer, float]:
+    """Start Gunicorn as operators do and return it with the seconds until every worker was ready."""
+    workers = int(settings.pop("workers", 0)) or physical_cores()
+    if redis_url:
+        settings["redis_url"] = redis_url
+    settings = {"max_queue": 64, "max_model_len": CONTEXT_TOKENS, **settings}
+    server = GunicornServer(log_dir, workers=workers, model=model_dir, **settings)
+    began = time.perf_counter()
+    server.start(timeout=600)
+    return server, time.perf_counter() - began
+
+
+def progress(message: str) -> None:
+    """Tell the person waiting what the benchmark is doing now."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

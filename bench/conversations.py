@@ -8,27 +8,24 @@ Each round runs every server in turn (corechat in its default shape, llama-serve
 worker), so a ratio compares runs minutes apart, not a morning with an afternoon; the tables give
 medians over the rounds with the spread. llama-server is bench/peer.py's build (q8_0, 4 slots,
 corechat's threads); corechat runs DTYPE=int8 through real Gunicorn. Results go to
-bench/results/<name>.json and .md.
+bench/results/<machine>/<name>.json and .md with the CPU, its kernel paths, the date and the commit.
 """
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
-from bench.run import CACHE_DIR, StreamResult, progress, start_corechat, stream_chat  # noqa: E402
+from bench import CACHE_DIR, progress, save_results, start_corechat  # noqa: E402
+from harness import StreamResult, free_port, stream_chat  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
-from support import free_port  # noqa: E402
 
 # One sentence of a user's message: 16 Qwen2 tokens.
 SENTENCE = "Please keep the following notes in mind while you answer the question below. "
@@ -47,19 +44,6 @@ class Sizes:
         self.reply_tokens = 8 if quick else 48
         self.document_sentences = 30 if quick else 315  # about 5,050 tokens
         self.short_delay_seconds = 0.5
-
-
-def machine() -> dict:
-    """Return what the figures depend on: the CPU, its cores, the date and the commit measured."""
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return {"cpu": model, "avx512_vnni": "avx512_vnni" in flags, "physical_cores": physical_cores(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit + ("+changes" if dirty else "")}
 
 
 # Scenarios -----------------------------------------------------------------------------------
@@ -182,7 +166,7 @@ def run(sizes: Sizes, peer: bool, settings: dict | None = None) -> dict:
                 scratch, model_dir, lambda url: {"short_behind_long": short_behind_long(url, sizes)},
                 workers=1, max_model_len=CONTEXT_TOKENS)
             rounds.append(figures)
-    return {"machine": machine(), "sizes": vars(sizes), "settings": settings or {}, "rounds": rounds}
+    return {"machine": {"physical_cores": physical_cores()}, "sizes": vars(sizes), "settings": settings or {}, "rounds": rounds}
 
 
 # Tables --------------------------------------------------------------------------------------
@@ -199,8 +183,7 @@ def render(name: str, results: dict) -> str:
     """Return the markdown tables of a run."""
     rounds, sizes, machine_facts = results["rounds"], results["sizes"], results["machine"]
     lines = [f"# {name}", "",
-             f"{machine_facts['cpu']} ({machine_facts['physical_cores']} physical cores), {machine_facts['date']}, "
-             f"commit {machine_facts['commit']}; {len(rounds)} rounds, medians (range)."
+             f"{machine_facts['physical_cores']} physical cores; {len(rounds)} rounds, medians (range)."
              + "".join(f" Multi-turn corechat with {key.upper()}={value}." for key, value in results.get("settings", {}).items()), "",
              f"## Multi-turn: {sizes['sessions']} sessions x {sizes['turns']} turns, {sizes['reply_tokens']}-token replies", "",
              "| server | " + " | ".join(f"turn {turn + 1}" for turn in range(sizes["turns"])) + " | wall | reuse |",
@@ -245,7 +228,7 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="corechat only (no llama.cpp build needed)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--name", help="results file name (default: conversations or conversations-quick)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a corechat setting of the multi-turn server, e.g. --set WORKERS=4 --set TORCH_THREADS=1")
     args = parser.parse_args()
@@ -255,8 +238,8 @@ def main() -> None:
     name = args.name or ("conversations-quick" if args.quick else "conversations")
     settings = {name.lower(): value for name, value in (item.split("=", 1) for item in args.set)}
     results = run(sizes, peer=not args.no_peer, settings=settings)
-    save_results(name, results, render(name, results), args.results_dir)
-    progress(f"wrote {args.results_dir / name}.json and .md")
+    written = save_results(name, results, render(name, results), args.results_dir)
+    progress(f"wrote {written}.json and .md")
 
 
 if __name__ == "__main__":

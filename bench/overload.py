@@ -1,5 +1,5 @@
 """Overload and slow clients against `make serve`'s defaults (2 workers, tiny model): the figures of
-docs/reliability.md, measured as tests/test_admission.py and tests/test_worker.py check them.
+docs/reliability.md, measured as tests/e2e/test_admission.py and tests/e2e/test_worker.py check them.
 
     python bench/overload.py              # 5 rounds of each scenario
     python bench/overload.py --rounds 1
@@ -8,7 +8,7 @@ Round of "3x capacity": 3 x 2 workers x (MAX_RUNNING + MAX_QUEUE) streams at onc
 /readyz and /metrics every 50 ms meanwhile. Round of "stalled clients": 20 connections of each way
 to stall a request (headers never ended, part of a body, Expect: 100-continue and no body, a chunked
 body without its last chunk), with the same probes for 3 s. Latencies run from the request's last
-byte sent to the response's status line, measured by one selector loop (tests/loadgen.py).
+byte sent to the response's status line, measured by one selector loop (harness/loadgen.py).
 """
 
 import argparse
@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
-from loadgen import chat_exchange, probe_exchanges, run_exchanges  # noqa: E402
+from bench import save_results  # noqa: E402
+from harness import COUNTING, GunicornServer, chat, send_until_every_worker_served  # noqa: E402
+from harness.loadgen import STALLED_PER_KIND, STALLS, chat_exchange, probe_exchanges, raw_exchange, run_exchanges  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from support import COUNTING, GunicornServer, chat, send_until_every_worker_served  # noqa: E402
-from test_worker import STALLED_PER_KIND, STALLS, raw_exchange  # noqa: E402
 
 DEFAULTS = Settings.model_construct()
 WORKERS = 2
@@ -97,7 +96,7 @@ def render(results: dict) -> str:
             probes = [f"{result['probe_ms'][target]['median']} / {result['probe_ms'][target]['p90']}" for target in PROBES]
             lines.append(f"| {name} | {number} | {outcome} | {refusal} | " + " | ".join(probes) + " |")
     lines.append("")
-    lines.append("Probe columns: median / p90 in ms. " + results["machine"])
+    lines.append(f"Probe columns: median / p90 in ms. Load average at the end (1 / 5 / 15 min): {results['load_average']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +104,7 @@ def main() -> None:
     """Run the rounds and save the results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", type=Path, help="the results folder (default: bench/results/<this machine>/)")
     args = parser.parse_args()
     with GunicornServer(Path(tempfile.mkdtemp(prefix="corechat-overload-")), workers=WORKERS) as server:
         send_until_every_worker_served(server, lambda: chat(server, max_tokens=2), most_rounds=20)
@@ -114,7 +113,7 @@ def main() -> None:
             "stalled clients": [stalled_round(server) for _ in range(args.rounds)],
         }
     load = " / ".join(f"{value:.1f}" for value in os.getloadavg())
-    results = {"scenarios": scenarios, "machine": f"Load average at the end (1 / 5 / 15 min): {load}."}
+    results = {"scenarios": scenarios, "load_average": load}
     save_results("overload", results, render(results), args.out)
 
 

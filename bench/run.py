@@ -6,43 +6,46 @@
     python bench/run.py --quick    # every scenario on the tiny model, for CI (asserts nothing)
 
 corechat runs as users run it: real Gunicorn from gunicorn.conf.py configured by the environment,
-real HTTP, SSE parsed here, and Redis on; llama-server (bench/peer.py) gets the same model folder,
-threads, parallel sequences and client. Results go to bench/results/<name>.json and .md with the CPU,
-its kernel paths, the date and the commit.
+real HTTP, SSE parsed by the client (harness/client.py), and Redis on; llama-server (bench/peer.py)
+gets the same model folder, threads, parallel sequences and client. Results go to
+bench/results/<machine>/<name>.json and .md with the CPU, its kernel paths, the date and the commit.
 """
 
 import argparse
-import http.client
-import json
-import math
 import os
 import platform
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench import CACHE_DIR, progress, save_results, start_corechat  # noqa: E402
+from bench.probes import run_probe  # noqa: E402
+from bench.weights import converted_weights_path, served_weight_bytes, weight_bytes_per_token  # noqa: E402
+from harness import (  # noqa: E402
+    RedisServer,
+    StreamResult,
+    concurrent_streams,
+    memory_of,
+    processes_of,
+    ready_facts,
+    short_chat,
+    stream_chat,
+)
+from harness.client import SHORT_PROMPT  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
-from support import GunicornServer, RedisServer, ready_facts  # noqa: E402  (the tests' real-server helpers)
 
-CACHE_DIR = Path.home() / ".cache" / "corechat"
-SHORT_PROMPT = "Explain in two sentences why the sky is blue."
 # Scenario 8 sends its long prompt this long after the short streams, once they decode.
 LONG_PROMPT_DELAY_SECONDS = 0.5
-# The context of one sequence, corechat's MAX_MODEL_LEN and each of llama-server's slots alike.
-CONTEXT_TOKENS = 4096
 SYSTEM_PROMPT_SENTENCE = "You are a careful assistant for the corechat benchmark; answer briefly and precisely. "
 
 
@@ -68,196 +71,16 @@ QUICK = dict(preset="tiny", max_tokens=8, repetitions=2, stream_counts=(1, 2, 4,
              system_prompt_tokens=512, bandwidth_megabytes=64, matrix_repetitions=1, matrix_shapes=1)
 
 
-def progress(message: str) -> None:
-    """Tell the person waiting what the benchmark is doing now."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def percentile(values: list[float], fraction: float) -> float:
     """Return the nearest-rank percentile of a non-empty list."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
 
 
-# The client ---------------------------------------------------------------------------------
-
-
-@dataclass
-class StreamResult:
-    """What the client saw of one streamed chat completion."""
-
-    status: int = 0
-    first_byte_seconds: float = 0.0
-    first_token_seconds: float = 0.0
-    total_seconds: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    # Prompt tokens the server reused instead of computing, as its usage reports them.
-    cached_tokens: int = 0
-    text: str = ""
-    gaps: list[float] = field(default_factory=list)
-    x_cache: str = ""
-    error: str = ""
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Return tokens after the first per second after the first."""
-        decode_seconds = self.total_seconds - self.first_token_seconds
-        return (self.completion_tokens - 1) / decode_seconds if self.completion_tokens > 1 and decode_seconds > 0 else 0.0
-
-
-def stream_chat(base_url: str, messages: list[dict], max_tokens: int, timeout: float = 600) -> StreamResult:
-    """Send one streamed, greedy chat completion and time it from the client's side."""
-    host, port = base_url.removeprefix("http://").split(":")
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    result = StreamResult()
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    began = time.perf_counter()
-    try:
-        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        result.status = response.status
-        result.x_cache = response.getheader("X-Cache", "")
-        if response.status != 200:
-            result.error = response.read().decode(errors="replace")[:300]
-            return result
-        last_token_at = None
-        while line := response.readline():
-            now = time.perf_counter() - began
-            if not result.first_byte_seconds:
-                result.first_byte_seconds = now
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"].get("message", "error")
-            if chunk.get("usage"):
-                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                result.completion_tokens = chunk["usage"]["completion_tokens"]
-                result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            content = "".join(choice["delta"].get("content") or "" for choice in chunk.get("choices", []))
-            result.text += content
-            if content:
-                if last_token_at is None:
-                    result.first_token_seconds = now
-                else:
-                    result.gaps.append(now - last_token_at)
-                last_token_at = now
-        result.total_seconds = (last_token_at or time.perf_counter() - began)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        connection.close()
-    return result
-
-
-def concurrent_streams(base_url: str, message_lists: list[list[dict]], max_tokens: int) -> tuple[list[StreamResult], float]:
-    """Run one stream per message list at once; return the results and the wall time of all."""
-    results: list[StreamResult | None] = [None] * len(message_lists)
-
-    def run(index: int) -> None:
-        results[index] = stream_chat(base_url, message_lists[index], max_tokens)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(message_lists))]
-    began = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results, time.perf_counter() - began
-
-
-def short_chat(tag: str) -> list[dict]:
-    """Return the short one-turn chat, made unique by a tag so no response cache answers it."""
-    return [{"role": "user", "content": f"({tag}) {SHORT_PROMPT}"}]
-
-
 def long_system_prompt(tokens: int, tag: str) -> str:
     """Return a system prompt of about `tokens` tokens, unique from its first token on."""
     sentence_tokens = 16  # the sentence above is 16 Qwen2 tokens
     return f"Session {tag}. " + SYSTEM_PROMPT_SENTENCE * max(1, tokens // sentence_tokens)
-
-
-# The servers ---------------------------------------------------------------------------------
-
-
-def start_corechat(log_dir: Path, model_dir: Path, redis_url: str, **settings) -> tuple[GunicornServer, float]:
-    """Start Gunicorn as operators do and return it with the seconds until every worker was ready."""
-    workers = int(settings.pop("workers", 0)) or physical_cores()
-    if redis_url:
-        settings["redis_url"] = redis_url
-    settings = {"max_queue": 64, "max_model_len": CONTEXT_TOKENS, **settings}
-    server = GunicornServer(log_dir, workers=workers, model=model_dir, **settings)
-    began = time.perf_counter()
-    server.start(timeout=600)
-    return server, time.perf_counter() - began
-
-
-def processes_of(server: GunicornServer) -> list[int]:
-    """Return the pids of Gunicorn's master and every worker."""
-    return [server.process.pid, *server.worker_pids()]
-
-
-def memory_of(pids: list[int]) -> dict:
-    """Sum the PSS and RSS of processes from /proc/PID/smaps_rollup."""
-    totals = {"pss": 0, "rss": 0, "processes": 0}
-    for pid in pids:
-        with open(f"/proc/{pid}/smaps_rollup") as file:
-            for line in file:
-                key, _, rest = line.partition(":")
-                if key in ("Pss", "Rss"):
-                    totals[key.lower()] += int(rest.split()[0]) * 1024
-        totals["processes"] += 1
-    return totals
-
-
-def run_probe(*args: str) -> dict:
-    """Run a torch probe in its own process and return its JSON."""
-    output = subprocess.run([sys.executable, "-m", "bench.probes", *args], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
-
-
-def safetensors_header(path: Path) -> dict:
-    """Return a safetensors file's header: tensor name -> dtype, shape, offsets."""
-    with path.open("rb") as file:
-        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
-    header.pop("__metadata__", None)
-    return header
-
-
-def element_counts_of(model_dir: Path) -> dict[str, int]:
-    """Return the number of elements of every tensor of the model."""
-    return {name: math.prod(info["shape"]) for name, info in safetensors_header(model_dir / "model.safetensors").items()}
-
-
-def converted_weights_path(server_log: str) -> Path | None:
-    """Return the converted weights file the workers logged mapping (kept out of /readyz), if any."""
-    found = re.search(r"weights mapped from (\S+)", server_log)
-    return Path(found.group(1)) if found else None
-
-
-def served_weight_bytes(model_dir: Path, dtype: str, converted: Path | None) -> int:
-    """Return the bytes of one copy of the weights as served: for int8 and int4 the converted file plus the bf16 tensors it keeps."""
-    counts = element_counts_of(model_dir)
-    if dtype not in ("int8", "int4"):
-        return sum(counts.values()) * {"bfloat16": 2, "float32": 4}[dtype]
-    replaced = {name.removesuffix(".qweight") for name in safetensors_header(converted) if name.endswith(".qweight")}
-    return converted.stat().st_size + 2 * sum(count for name, count in counts.items() if name not in replaced)
-
-
-def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
-    """Count the weight bytes one decoded token reads: every matrix once, the embedding only as the output layer."""
-    config = json.loads((model_dir / "config.json").read_text())
-    element_counts = element_counts_of(model_dir)
-    total = sum(element_counts.values())
-    # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
-    embedding = element_counts.get("model.embed_tokens.weight", 0)
-    read = total if config.get("tie_word_embeddings") else total - embedding
-    # int4: half a byte per weight and a float16 scale per 32.
-    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1, "int4": 0.5625}[dtype]
-    return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes}
 
 
 # The scenarios --------------------------------------------------------------------------------
@@ -584,7 +407,7 @@ def parse_args() -> argparse.Namespace:
                         "rounds (bench/versus.py); builds it once")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds beside llama.cpp (with --peer)")
     parser.add_argument("--name", help="results file name (default: full or quick, and the dtype)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     parser.add_argument("--model-dir", type=Path, help="dev model folder (default: under ~/.cache/corechat)")
     parser.add_argument(
         "--dtype", default=Settings.model_fields["dtype"].default, help="DTYPE setting of the served model"
@@ -607,8 +430,8 @@ def main() -> None:
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.dtype}"
     results = run(plan, args.dtype, {key.lower(): value for key, value in settings.items()}, peer=args.peer,
                   rounds=1 if args.quick else args.rounds)
-    save_results(name, results, render_markdown(name, results), args.results_dir)
-    progress(f"wrote {args.results_dir / name}.json and .md")
+    written = save_results(name, results, render_markdown(name, results), args.results_dir)
+    progress(f"wrote {written}.json and .md")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench import save_results  # noqa: E402
 from devtools.devmodel import build_dev_model  # noqa: E402
-from support import TINY_MODEL_DIR, GunicornServer  # noqa: E402  (the test suite's real-Gunicorn runner, reused)
+from harness import TINY_MODEL_DIR, GunicornServer  # noqa: E402
 
 VERDICTS = {True: "pass", False: "FAIL", None: "not judged (run too short)"}
 MIN_REQUESTS_FOR_RSS = 200
@@ -257,7 +257,7 @@ def main() -> int:
     # the next; a leak (or no trim at idle: about 80 MiB over the second half) grows past this.
     parser.add_argument("--rss-growth-limit-mb", type=float, default=32.0)
     parser.add_argument("--seed", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", type=Path, help="the results folder (default: bench/results/<this machine>/)")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens, args.long_prompt_tokens = 60, 4, 2_000

@@ -10,7 +10,7 @@ prompts, conversations.
 order reversed every other round), so a ratio compares runs minutes apart; one pass on a shared
 machine moves a ratio by up to a quarter, so the tables give the median over the rounds and the
 range, and each round's ratio. Both servers get the same threads (corechat's default shape: a
-worker per core), the same client (bench/run.py's streaming client) and the same model folder
+worker per core), the same client (harness/client.py's streaming client) and the same model folder
 (llama-server: bench/peer.py's build and GGUF conversion, MAX_RUNNING slots). Scenarios:
 - decode: one stream of a short chat, REPLY_TOKENS greedy tokens: decode tokens/s (median of 3);
 - aggregate: 4 and 8 such streams at once: all their tokens over the wall time;
@@ -19,8 +19,8 @@ worker per core), the same client (bench/run.py's streaming client) and the same
   and a one-line question 0.5 s behind a ~5,000-token document (corechat WORKERS=1 then, one
   process as llama-server is: bench/conversations.py's scenarios).
 The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
-each kernel path's peak multiply-add rate. Results go to bench/results/<name>.json and .md with the
-CPU, its kernel paths, the date and the commit.
+each kernel path's peak multiply-add rate. Results go to bench/results/<machine>/<name>.json and
+.md with the CPU, its kernel paths, the date and the commit.
 """
 
 import argparse
@@ -32,24 +32,15 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
-from bench import RESULTS_DIR, save_results  # noqa: E402
+from bench import CACHE_DIR, progress, save_results, start_corechat  # noqa: E402
 from bench.conversations import SENTENCE, Sizes, multi_turn, short_behind_long  # noqa: E402
-from bench.run import (  # noqa: E402
-    CACHE_DIR,
-    concurrent_streams,
-    memory_of,
-    processes_of,
-    progress,
-    run_probe,
-    start_corechat,
-    stream_chat,
-    weight_bytes_per_token,
-)
+from bench.probes import run_probe  # noqa: E402
+from bench.weights import weight_bytes_per_token  # noqa: E402
+from harness import concurrent_streams, free_port, memory_of, processes_of, stream_chat  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
-from support import free_port  # noqa: E402
 
 PEER_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
 CONTEXT_TOKENS = 8192
@@ -127,7 +118,7 @@ def probe_machine(quick: bool) -> dict:
     """Measure the read bandwidth and each kernel path's peak multiply-add rate, in child processes."""
     threads = physical_cores()
     bandwidth = run_probe("bandwidth", "--threads", str(threads), "--megabytes", "64" if quick else "1024")
-    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from bench.prompt_probe import peak; "
+    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from bench.probes.prompt_probe import peak; "
             "from service.engine import kernels; kernels.load(); torch.set_num_threads(int(sys.argv[2])); "
             "print(json.dumps({path: peak(path, int(sys.argv[2]), 3) for path in kernels.available_paths() "
             "if path != 'reference'}))")
@@ -278,12 +269,12 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(PEER_QUANTIZATION), choices=sorted(PEER_QUANTIZATION))
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round: checks that it all runs")
     parser.add_argument("--name", help="results file name (default: versus, or versus-quick)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     args = parser.parse_args()
     name = args.name or ("versus-quick" if args.quick else "versus")
     results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick)
-    save_results(name, results, render(name, results), args.results_dir)
-    progress(f"wrote {args.results_dir / name}.json and .md")
+    written = save_results(name, results, render(name, results), args.results_dir)
+    progress(f"wrote {written}.json and .md")
 
 
 if __name__ == "__main__":

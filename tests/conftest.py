@@ -1,13 +1,19 @@
-"""Shared fixtures: the tiny dev model, a started engine, and Flask apps built by the real factory."""
+"""The fixtures the tiers share: the tiny dev model and settings on it, a started engine and Flask apps built
+by the real factory (app/), corechat under real Gunicorn and a throwaway redis-server (app/, e2e/).
+
+An engine with settings of its own is `with started_engine(make_settings(...)) as engine:`
+(tests.support), a server with settings of its own `with gunicorn(workers=1, ...) as server:`.
+"""
 
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from harness import TINY_MODEL_DIR, GunicornServer, RedisServer
 from service.app import create_app
 from service.settings import Settings
-from support import TINY_MODEL_DIR
+from tests.support import TEST_API_KEY, started_engine
 
 
 def pytest_configure(config):
@@ -19,13 +25,15 @@ def pytest_configure(config):
 
 
 # The longest test files, started first so the two test processes end together (`make test`).
-LONGEST_FIRST = ("test_bench.py", "test_soak.py", "test_cache_gunicorn.py", "test_gunicorn.py", "test_preload.py",
-                 "test_engine_faults.py", "test_nginx.py")
+LONGEST_FIRST = {f"e2e/{name}" for name in ("test_bench.py", "test_soak.py", "test_cache_gunicorn.py",
+                                            "test_gunicorn.py", "test_preload.py", "test_engine_faults.py",
+                                            "test_nginx.py")}
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items):
     """Move the longest test files to the front, keeping every file's own order."""
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    items.sort(key=lambda item: item.path.relative_to(TESTS).as_posix() not in LONGEST_FIRST)
 
 
 @pytest.fixture(scope="session")
@@ -53,13 +61,8 @@ def make_settings(tiny_model_dir):
 @pytest.fixture(scope="session")
 def engine(make_settings):
     """Return one started engine on the tiny model, shared by the tests that only read from it."""
-    from service.engine import Engine
-
-    engine = Engine(make_settings(max_model_len=256))
-    engine.start()
-    assert engine.wait_ready(120), engine.facts
-    yield engine
-    engine.stop()
+    with started_engine(make_settings(max_model_len=256)) as engine:
+        yield engine
 
 
 @pytest.fixture()
@@ -75,54 +78,45 @@ def client(app):
 
 
 @pytest.fixture(scope="session")
-def gunicorn_server(tiny_model_dir, tmp_path_factory):
+def gunicorn(tiny_model_dir, tmp_path_factory):
+    """Return a maker of corechat under real Gunicorn on the tiny model, each server logging to a folder of
+    its own: `with gunicorn(workers=1, max_running=3) as server:` starts one and stops it (settings as
+    harness.GunicornServer takes them, as environment variables)."""
+
+    def make(**settings) -> GunicornServer:
+        return GunicornServer(tmp_path_factory.mktemp("gunicorn"), **settings)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gunicorn_server(gunicorn):
     """Run corechat under real Gunicorn with 2 workers on the tiny model, shared by the test session."""
-    from support import GunicornServer
-
-    with GunicornServer(
-        tmp_path_factory.mktemp("gunicorn"),
-        workers=2,
-        max_model_len=4096,
-        worker_timeout=3,
-        sse_ping_seconds=0.5,
-    ) as server:
+    with gunicorn(workers=2, max_model_len=4096, worker_timeout=3, sse_ping_seconds=0.5) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def default_server(tiny_model_dir, tmp_path_factory):
+def default_server(gunicorn):
     """Run Gunicorn as `make serve` does (2 workers, every setting at its default) on the tiny model."""
-    from support import GunicornServer
-
-    with GunicornServer(tmp_path_factory.mktemp("default-gunicorn"), workers=2) as server:
+    with gunicorn(workers=2) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def keyed_server(tiny_model_dir, tmp_path_factory):
+def keyed_server(gunicorn):
     """Run Gunicorn with 1 worker that needs TEST_API_KEY and takes one running and one waiting request.
 
     A third concurrent request gets a 503, and max_tokens may go up to 32000 for endless replies.
     """
-    from support import TEST_API_KEY, GunicornServer
-
-    with GunicornServer(
-        tmp_path_factory.mktemp("keyed-gunicorn"),
-        workers=1,
-        api_keys=TEST_API_KEY,
-        max_running=1,
-        max_queue=1,
-        max_tokens_limit=32000,
-        sse_ping_seconds=0.5,
-    ) as server:
+    with gunicorn(workers=1, api_keys=TEST_API_KEY, max_running=1, max_queue=1, max_tokens_limit=32000,
+                  sse_ping_seconds=0.5) as server:
         yield server
 
 
 @pytest.fixture()
 def redis_server(tmp_path):
     """Run a real redis-server on a free port for one test."""
-    from support import RedisServer
-
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()

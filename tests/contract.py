@@ -4,6 +4,7 @@ import json
 
 from jsonschema import Draft202012Validator
 
+from harness import sse_payloads
 from service.api.openapi import openapi_document
 
 
@@ -22,18 +23,6 @@ def response_schema(document: dict, path: str, method: str, status: int, media_t
     return documented["content"][media_type]
 
 
-def sse_payloads(text: str) -> list:
-    """Return the data payloads of an SSE body, the final [DONE] as a string; fail on a stray line."""
-    payloads = []
-    for event in text.strip().split("\n\n"):
-        if event.startswith(":"):
-            continue
-        assert event.startswith("data: "), event
-        raw = event[len("data: ") :]
-        payloads.append(raw if raw == "[DONE]" else json.loads(raw))
-    return payloads
-
-
 def assert_matches_contract(path: str, method: str, status: int, content_type: str, body: bytes,
                             document: dict | None = None) -> None:
     """Fail unless a response's status, media type and body are what the document says."""
@@ -41,7 +30,7 @@ def assert_matches_contract(path: str, method: str, status: int, content_type: s
     media_type = content_type.split(";")[0].strip()
     content = response_schema(document, path, method, status, media_type)
     if media_type == "text/event-stream":
-        payloads = sse_payloads(body.decode())
+        payloads = sse_payloads(body)
         assert payloads[-1] == "[DONE]"
         event_schema = content["x-event-schema"]["$ref"].removeprefix("#/components/schemas/")
         chunk, error = schema_validator(event_schema, document), schema_validator("ErrorResponse", document)

@@ -242,7 +242,7 @@ class ChatCompletions:
 
     # Rendering -----------------------------------------------------------------------------
     # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about
-    # half what building and dumping responses.ChatCompletionChunk does. tests/test_responses.py checks
+    # half what building and dumping responses.ChatCompletionChunk does. tests/e2e/test_responses.py checks
     # that every chunk validates as that model and renders byte for byte as the model renders it.
 
     def _chunk(self, prepared: PreparedChat, delta: dict, finish_reason=None, logprobs: list | None = None,

@@ -139,7 +139,7 @@ class TextCompletions:
         return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
 
     # Rendering -----------------------------------------------------------------------------
-    # Chunks are plain data framed by json.dumps, as chat's are; tests/test_completions.py validates them
+    # Chunks are plain data framed by json.dumps, as chat's are; tests/e2e/test_completions.py validates them
     # as protocol.CompletionChunk.
 
     def _chunk(self, prepared: PreparedCompletion, text: str, finish_reason=None, logprobs: dict | None = None,

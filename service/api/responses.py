@@ -5,7 +5,7 @@ Rendered with `model_dump(exclude_unset=True)`: a field with a default goes out 
 each object carries exactly the fields OpenAI's carries in that case (`usage` on a stream's chunks only
 with `include_usage`, `tool_calls` only when the reply called tools), while a field set to None is
 sent as `null`. A stream's chunks are built as plain data, per token (chat.py);
-tests/test_responses.py holds each to ChatCompletionChunk byte for byte.
+tests/e2e/test_responses.py holds each to ChatCompletionChunk byte for byte.
 """
 
 from typing import Annotated, Any, Literal

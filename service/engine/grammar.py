@@ -1,10 +1,10 @@
 """Constrained decoding: grammars from JSON schemas and tool definitions, token masks from llguidance.
 
-llguidance was chosen by measurement (bench/grammar_probe.py, bench/results/grammar.md): on the
-Qwen2.5 vocabulary it compiles a nested schema in about a millisecond (lazily, as tokens arrive)
-and fills eight rows' masks in well under a millisecond, on CPU, with no dependencies. A grammar is
-checked without the vocabulary (in the request thread, so a bad schema is a 400); matchers need the
-worker's view of the vocabulary, built by the first request that needs one.
+llguidance was chosen by measurement (bench/archive.md): on the Qwen2.5 vocabulary it compiles a
+nested schema in about a millisecond (lazily, as tokens arrive) and fills eight rows' masks in well
+under a millisecond, on CPU, with no dependencies. A grammar is checked without the vocabulary (in
+the request thread, so a bad schema is a 400); matchers need the worker's view of the vocabulary,
+built by the first request that needs one.
 """
 
 import json

@@ -13,7 +13,7 @@ handed in is never written.
 Caches are read and built through DynamicLayer's `keys`, `values` and `lazy_initialization`:
 transformers has no public call that builds a cache from tensors without copying them (its
 `DynamicCache(ddp_cache_data)` goes through `update`). Those internals change between releases;
-tests/test_kvcache.py pins them, so an upgrade that moves them fails there first.
+tests/unit/test_kvcache.py pins them, so an upgrade that moves them fails there first.
 """
 
 import torch

@@ -121,7 +121,7 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     safetensors' torch loader maps the file once (`torch.UntypedStorage.from_file(path, shared=False)`)
     and hands out zero-copy slices of that storage. The map is private (copy-on-write) and never
     written, so all workers read the same page-cache pages: N workers cost one copy of the weights,
-    not N (tests/test_loading.py checks that every tensor lies inside the file's one mapping).
+    not N (tests/unit/test_loading.py checks that every tensor lies inside the file's one mapping).
     """
     return load_file(path)
 

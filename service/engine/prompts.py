@@ -4,7 +4,7 @@ A short question behind a long pasted document gets its first token after its ow
 after the document: the budget goes to the prompts with the fewest tokens left, while the oldest
 still takes a least share of every step, so a stream of short prompts cannot stop it. Where a
 prompt is cut never changes its logits (each row is computed alone:
-tests/test_batch_invariance.py).
+tests/app/test_batch_invariance.py).
 """
 
 import logging

@@ -1,12 +1,12 @@
 """A lean forward for Qwen2-family models: transformers' operations, without its module machinery.
 
-A decode step through transformers' modules spends much of its time in Python outside any
-operator (module calls, decorators, keyword plumbing, mask building; bench/step_probe.py). This
-forward calls the products and the attention kernel directly over rows of tokens: a prompt chunk
-of one sequence, or one token of each sequence of a decode step. Each row's keys and values go
-into its sequence's pages of the worker's pool (kvpool.py) and it attends to its own sequence's
-positions up to its own (kernels.h: PagedAttention), so a row's result depends neither on the
-other rows nor on how its prompt was cut.
+A decode step through transformers' modules spends much of its time in Python outside any operator
+(module calls, decorators, keyword plumbing, mask building; bench/probes/step_probe.py). This
+forward calls the products and the attention kernel directly over rows of tokens: a prompt chunk of
+one sequence, or one token of each sequence of a decode step. Each row's keys and values go into its
+sequence's pages of the worker's pool (kvpool.py) and it attends to its own sequence's positions up
+to its own (kernels.h: PagedAttention), so a row's result depends neither on the other rows nor on
+how its prompt was cut.
 
 Quantized models (int8, int4) run all their decoder layers in one operator (kernels/csrc/layer.cpp:
 run_layers, a layer's norm, products and rotary before attention, the attention, and the rest

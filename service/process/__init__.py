@@ -7,6 +7,6 @@ it. None of them imports torch at its top, nor anything that does: the engine pa
 lazily, so `engine.cores` is torch-free. torch comes into a worker after fork, when
 lifecycle.boot_worker starts its engine, and into the master only when PRELOAD_LIBRARIES asks it to
 import the workers' libraries before forking (lifecycle.import_worker_libraries), so the workers
-share them. tests/test_process.py loads gunicorn.conf.py, runs the master's hooks and imports every
+share them. tests/unit/test_process.py loads gunicorn.conf.py, runs the master's hooks and imports every
 module here with torch made unimportable. The supervisor also does without Flask.
 """

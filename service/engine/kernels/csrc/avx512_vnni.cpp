@@ -10,8 +10,9 @@
 
 namespace corechat {
 
-// The peak multiply-add rate's probe (bench/prompt_probe.py): nothing but 512-bit vpdpbusd on twelve
-// independent accumulators, which no product can beat on this path. Returns a sum so it is not elided.
+// The peak multiply-add rate's probe (bench/probes/prompt_probe.py): nothing but 512-bit vpdpbusd
+// on twelve independent accumulators, which no product can beat on this path. Returns a sum so it
+// is not elided.
 int64_t peak_loop_avx512(int64_t iterations) {
     __m512i acc[12];
     for (auto& lane : acc) lane = _mm512_setzero_si512();

@@ -1,0 +1,78 @@
+"""Conversation turns' KV state shared between hosts through Redis (SHARED_KV_TTL_SECONDS): a turn that
+lands on another host fetches its conversation's KV state and answers with the same bytes."""
+
+import pytest
+import requests
+
+from harness import RedisServer, ready_facts
+
+NO_CACHE = {"Cache-Control": "no-cache"}
+QUESTION = "Please keep count of the words I say: " + "apple banana cherry " * 30
+
+
+def chat(server, messages: list[dict], **body) -> dict:
+    """Send a chat request and return its JSON reply."""
+    response = requests.post(f"{server.url}/v1/chat/completions", headers=NO_CACHE, timeout=120,
+                             json={"messages": messages, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def the_token_id(server) -> int:
+    """Return the id of " the", a token whose repetitions decode and encode back to themselves."""
+    response = requests.post(f"{server.url}/tokenize", json={"content": " the"}, timeout=30)
+    [token] = response.json()["tokens"]
+    return token
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """Run a throwaway Redis."""
+    server = RedisServer(tmp_path_factory.mktemp("shared-kv-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hosts(redis_server, gunicorn):
+    """Run two 'hosts': Gunicorn servers with folders of their own, sharing one Redis for KV state."""
+    settings = {"workers": 1, "redis_url": redis_server.url, "shared_kv_ttl_seconds": 600, "max_model_len": 2048}
+    with (gunicorn(**settings) as first,
+          gunicorn(**settings) as second):
+        yield first, second
+
+
+def test_the_next_turn_on_another_host_fetches_the_conversation_and_answers_the_same(hosts):
+    first, second = hosts
+    # A reply whose tokens re-tokenise to themselves, so the next turn's prompt holds them exactly.
+    bias = {str(the_token_id(first)): 100}
+    turn = chat(first, [{"role": "user", "content": QUESTION}], max_tokens=12, logit_bias=bias)
+    reply = turn["choices"][0]["message"]["content"]
+    assert turn["choices"][0]["finish_reason"] == "length"
+    conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "And now?"}]
+
+    elsewhere = chat(second, conversation, max_tokens=16)
+    # The whole first turn, prompt and reply (but the last reply token, never fed), came from Redis.
+    assert elsewhere["usage"]["prompt_tokens_details"]["cached_tokens"] == turn["usage"]["total_tokens"] - 1
+    facts = next(iter(ready_facts(second).values()))
+    assert facts["shared_prefix_hits"] == 1
+    at_home = chat(first, conversation, max_tokens=16)
+    assert at_home["usage"]["prompt_tokens_details"]["cached_tokens"] == turn["usage"]["total_tokens"] - 1
+    assert elsewhere["choices"][0]["message"]["content"] == at_home["choices"][0]["message"]["content"]
+
+
+def test_a_host_without_redis_computes_the_prompt_and_answers(hosts, redis_server):
+    """Redis gone: the shared store fails open, the turn is computed where it lands."""
+    first, second = hosts
+    bias = {str(the_token_id(first)): 100}
+    question = [{"role": "user", "content": "Another conversation: " + QUESTION}]
+    reply = chat(first, question, max_tokens=8, logit_bias=bias)["choices"][0]["message"]["content"]
+    redis_server.stop()
+    try:
+        conversation = [*question, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+        elsewhere = chat(second, conversation, max_tokens=8)
+        assert elsewhere["choices"][0]["finish_reason"] == "length"
+        assert "shared KV state in Redis failed" in second.log()
+    finally:
+        redis_server.start()

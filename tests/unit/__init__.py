@@ -1,0 +1,1 @@
+"""Unit tests: functions and modules alone, without an engine or a server."""

@@ -1,0 +1,160 @@
+"""The paged attention kernel: softmax attention over a sequence's own pages, the same bits on every
+instruction-set path, for a prompt's token and a decode step alike, whatever else shares the call."""
+
+import pytest
+import torch
+
+from harness import anonymous_megabytes
+from service.engine import kernels
+from service.engine.kvpool import PagePool
+from service.engine.memory import PAGE_TOKENS, KVBudget
+from service.settings import Settings
+
+HEADS, KV_HEADS, DIM, LAYERS = 14, 2, 64, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_kernels():
+    """Load (building if needed) this CPU's kernels."""
+    kernels.load(Settings().kernels_dir)
+
+
+def paths() -> list[str]:
+    """Return every path this CPU runs, the reference first."""
+    return kernels.available_paths()
+
+
+def new_pool(pages: int, dim: int = DIM, kv_heads: int = KV_HEADS) -> PagePool:
+    """Return a pool of `pages` pages, its storage zeroed (as if written before)."""
+    pool = PagePool(KVBudget(pages, PAGE_TOKENS * 2 * LAYERS * kv_heads * dim * 2), (LAYERS, kv_heads, dim))
+    pool.storage.zero_()
+    return pool
+
+
+def random(*shape, seed: int) -> torch.Tensor:
+    """Return random bfloat16 values."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def attend(pool, query, keys, values, tables, sequences, positions, layer=1, path="best", scale=0.125):
+    """Run the kernel: write the rows' keys and values at their positions, then attend."""
+    return torch.ops.corechat.paged_attention(
+        query, keys, values, pool.storage, layer, tables, torch.tensor(sequences, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long), scale, kernels.PATHS[path])
+
+
+def expected(query, keys, values, scale=0.125) -> torch.Tensor:
+    """One row's attention over keys [tokens, kv_heads, dim] in float64: (heads, dim)."""
+    group = query.shape[0] // keys.shape[1]
+    rows = []
+    for head in range(query.shape[0]):
+        weights = torch.softmax(keys[:, head // group].double() @ query[head].double() * scale, dim=0)
+        rows.append(weights @ values[:, head // group].double())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_a_prompts_tokens_attend_causally_to_softmax_attention_within_bfloat16_rounding(dim):
+    """A prompt of 300 tokens across pages in shuffled order: token p sees keys 0..p."""
+    tokens = 300
+    pool = new_pool(8, dim)
+    table = torch.randperm(8, generator=torch.Generator().manual_seed(0))[: -(-tokens // PAGE_TOKENS)].unsqueeze(0)
+    query = random(tokens, HEADS, dim, seed=1)
+    keys, values = random(tokens, KV_HEADS, dim, seed=2), random(tokens, KV_HEADS, dim, seed=3)
+    out = attend(pool, query, keys, values, table, [0] * tokens, list(range(tokens)))
+    for token in (0, 1, 15, 16, 63, 64, 65, 299):
+        want = expected(query[token], keys[: token + 1], values[: token + 1])
+        assert torch.allclose(out[token].double(), want, rtol=2e-2, atol=2e-2), token
+
+
+def test_every_path_gives_the_references_bits():
+    """The reference's plain C++, AVX2 and AVX-512 run the same operations in the same order per row."""
+    tokens = 200
+    results = {}
+    for path in paths():
+        pool = new_pool(4)
+        table = torch.tensor([[3, 0, 2, 1]])
+        results[path] = attend(pool, random(tokens, HEADS, DIM, seed=4), random(tokens, KV_HEADS, DIM, seed=5),
+                               random(tokens, KV_HEADS, DIM, seed=6), table, [0] * tokens, list(range(tokens)),
+                               path=path)
+    for path, got in results.items():
+        assert torch.equal(got, results["reference"]), path
+
+
+def test_a_token_gets_the_same_bits_in_a_prompt_pass_in_chunks_and_as_a_decode_step():
+    """Whole, cut in chunks, or one row at a time as decode steps: each token's output is the same bits."""
+    tokens = 150
+    query = random(tokens, HEADS, DIM, seed=7)
+    keys, values = random(tokens, KV_HEADS, DIM, seed=8), random(tokens, KV_HEADS, DIM, seed=9)
+    table = torch.tensor([[1, 2, 0]])
+    outputs = []
+    for cuts in ([0, tokens], [0, 16, 17, 100, tokens], list(range(tokens + 1))):
+        pool = new_pool(3)
+        parts = [attend(pool, query[a:b], keys[a:b], values[a:b], table, [0] * (b - a), list(range(a, b)))
+                 for a, b in zip(cuts, cuts[1:])]
+        outputs.append(torch.cat(parts))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_a_decode_rows_bits_do_not_depend_on_the_other_rows_of_its_step():
+    """Eight sequences of uneven lengths in one step: each row equals its sequence decoded alone."""
+    lengths = [300, 1, 17, 250, 64, 129, 8, 123]
+    pool = new_pool(64)
+    tables = torch.arange(64).view(8, 8)
+    for index, length in enumerate(lengths):  # the sequences' earlier tokens, written as prompts
+        attend(pool, random(length, HEADS, DIM, seed=index), random(length, KV_HEADS, DIM, seed=10 + index),
+               random(length, KV_HEADS, DIM, seed=20 + index), tables, [index] * length, list(range(length)))
+    query = random(8, HEADS, DIM, seed=30)
+    keys, values = random(8, KV_HEADS, DIM, seed=31), random(8, KV_HEADS, DIM, seed=32)
+    together = attend(pool, query, keys, values, tables, list(range(8)), lengths)
+    for row, length in enumerate(lengths):
+        one = slice(row, row + 1)
+        alone = attend(pool, query[one], keys[one], values[one], tables[one], [0], [length])
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_a_nan_in_a_query_gives_nan_not_plausible_output():
+    pool = new_pool(1)
+    query = random(3, HEADS, DIM, seed=40)
+    query[2, 0, 5] = float("nan")
+    out = attend(pool, query, random(3, KV_HEADS, DIM, seed=41), random(3, KV_HEADS, DIM, seed=42),
+                 torch.tensor([[0]]), [0, 0, 0], [0, 1, 2])
+    assert out[2, 0].isnan().all() and not out[:2].isnan().any()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"positions": [PAGE_TOKENS]}, "outside its table"),
+    ({"positions": [-1]}, "outside its table"),
+    ({"sequences": [1]}, "names no table"),
+    ({"tables": torch.tensor([[5]])}, "names page"),
+    ({"tables": torch.tensor([[-1]])}, "names page"),
+    ({"layer": LAYERS}, "layer"),
+    ({"query": torch.zeros(1, HEADS, 48, dtype=torch.bfloat16)}, "head dim"),
+    ({"query": torch.zeros(1, 3, DIM, dtype=torch.bfloat16)}, "multiple of kv_heads"),
+    ({"keys": torch.zeros(1, KV_HEADS, DIM)}, "bfloat16"),
+])
+def test_bad_arguments_raise_instead_of_reading_or_writing_out_of_bounds(change, message):
+    pool = new_pool(1)
+    arguments = {"query": torch.zeros(1, HEADS, DIM, dtype=torch.bfloat16),
+                 "keys": torch.zeros(1, KV_HEADS, DIM, dtype=torch.bfloat16),
+                 "values": torch.zeros(1, KV_HEADS, DIM, dtype=torch.bfloat16),
+                 "tables": torch.tensor([[0]]), "sequences": [0], "positions": [0], "layer": 1}
+    arguments.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        attend(pool, arguments["query"], arguments["keys"], arguments["values"], arguments["tables"],
+               arguments["sequences"], arguments["positions"], layer=arguments["layer"])
+
+
+def test_decoding_at_ever_new_context_lengths_does_not_grow_memory():
+    """The kernel's scratch space follows the longest context seen, not every length seen."""
+    pool = new_pool(16)
+    tables = torch.arange(16).view(1, 16)
+    tokens = 800
+    attend(pool, random(tokens, HEADS, DIM, seed=50), random(tokens, KV_HEADS, DIM, seed=51),
+           random(tokens, KV_HEADS, DIM, seed=52), tables, [0] * tokens, list(range(tokens)))
+    before = anonymous_megabytes()
+    for position in range(500, 800):
+        attend(pool, random(1, HEADS, DIM, seed=position), random(1, KV_HEADS, DIM, seed=1),
+               random(1, KV_HEADS, DIM, seed=2),
+               tables, [0], [position])
+    assert anonymous_megabytes() - before < 10

@@ -1,0 +1,172 @@
+"""The fused decoder-layer operators (kernels/csrc/layer.cpp) against transformers' operations.
+
+attention_inputs and mlp must give, bit for bit, what the same layer gives run one operation at a
+time (torch's rotary, sums, SiLU and products, corechat's products and RMSNorm); corechat's RMSNorm
+must stay within two bfloat16 steps (it rounds twice) of transformers' Qwen2RMSNorm (it sums the mean of
+squares in its own order). Rows must not change each other's results, nor threads the results.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from service.engine import kernels
+from service.engine.quantized import INT4, INT8, quantize_int4, quantize_int8
+from service.settings import Settings
+from tests.support import torch_threads
+
+HEAD_DIM = 64
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_kernels():
+    """Load (building if needed) this CPU's kernels."""
+    kernels.load(Path(Settings().kernels_dir))
+
+
+def transformers_norm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Return Qwen2RMSNorm's output (transformers' own module)."""
+    norm = Qwen2RMSNorm(hidden.shape[-1], eps=EPS).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm(hidden)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Return how many bfloat16 steps separate two tensors of finite values, elementwise."""
+    def ordered(t):
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize("width", [64, 896, 1536])
+def test_rms_norm_is_transformers_norm_within_its_two_roundings(width):
+    """A last-bit difference in the mean can move each of the norm's two roundings by one step."""
+    generator = torch.Generator().manual_seed(width)
+    weight = (torch.rand(width, generator=generator) + 0.5).bfloat16()
+    rows = [torch.randn(400, width, generator=generator) * 3,
+            torch.full((1, width), 1e-38), torch.full((1, width), 3e38), torch.zeros(1, width),
+            torch.randn(1, width, generator=generator) * 1e-20]
+    hidden = torch.cat(rows).bfloat16()
+    ours = torch.ops.corechat.rms_norm(hidden, weight, EPS)
+    theirs = transformers_norm(hidden, weight)
+    assert torch.isfinite(ours).all()
+    assert ulps_apart(ours, theirs).max() <= 2
+    assert (ours == theirs).float().mean() > 0.999
+
+
+def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator):
+    """Return quantized random weights, their scales and a float32 bias, as QuantizedLinear holds them."""
+    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+    stored, scales = (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
+    return stored, scales, torch.randn(outputs, generator=generator) * 0.1
+
+
+class Layer:
+    """A random decoder layer's weights: 4 query heads on 2 key/value heads, q/k/v with biases."""
+
+    def __init__(self, fmt, width: int, intermediate: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.fmt, self.width = fmt, width
+        shapes = [4 * HEAD_DIM, 2 * HEAD_DIM, 2 * HEAD_DIM, width, intermediate, intermediate, width]
+        inputs = [width] * 6 + [intermediate]
+        self.products = [random_quantized(fmt, outputs, size, generator) for outputs, size in zip(shapes, inputs)]
+        self.outputs = shapes
+        # o, gate, up and down have no bias in Qwen2.
+        self.products[3:] = [(weight, scales, None) for weight, scales, _ in self.products[3:]]
+        self.norms = [(torch.rand(width, generator=generator) + 0.5).bfloat16() for _ in range(2)]
+
+    def arguments(self, first: int, last: int) -> tuple:
+        """Return products first..last-1 as the fused operators take them."""
+        chosen = self.products[first:last]
+        return ([p[0] for p in chosen], [p[1] for p in chosen], [p[2] for p in chosen], self.outputs[first:last],
+                self.fmt.code)
+
+    def product(self, index: int, inputs: torch.Tensor) -> torch.Tensor:
+        """Run one product alone, as the per-operation forward does."""
+        weight, scales, bias = self.products[index]
+        return torch.ops.corechat.quantized_linear(inputs, weight, scales, bias, self.fmt.code, self.outputs[index],
+                                                   False)
+
+
+def rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on [rows, heads * HEAD_DIM]."""
+    heads = states.view(states.shape[0], -1, HEAD_DIM)
+    rotated = torch.cat((-heads[..., HEAD_DIM // 2:], heads[..., : HEAD_DIM // 2]), dim=-1)
+    return ((heads * cos[:, None]) + (rotated * sin[:, None])).view(states.shape)
+
+
+def one_by_one(layer: Layer, hidden, cos, sin):
+    """Run the layer's two blocks one operation at a time. The queries' first columns stand in for
+    attention's output (the attention kernel has its own tests)."""
+    states = torch.ops.corechat.rms_norm(hidden, layer.norms[0], EPS)
+    query, key, value = (layer.product(index, states) for index in range(3))
+    query, key = rotary(query, cos, sin), rotary(key, cos, sin)
+    attended = query[:, : layer.width].contiguous()
+    summed = hidden + layer.product(3, attended)
+    states = torch.ops.corechat.rms_norm(summed, layer.norms[1], EPS)
+    out = summed + layer.product(6, F.silu(layer.product(4, states)) * layer.product(5, states))
+    return (query, key, value), out
+
+
+def fused(layer: Layer, hidden, cos, sin):
+    """Run the same through the fused operators."""
+    inputs = torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, *layer.arguments(0, 3), cos, sin,
+                                                 HEAD_DIM)
+    attended = inputs[0][:, : layer.width].contiguous()
+    out = torch.ops.corechat.mlp(hidden, attended, layer.norms[1], EPS, *layer.arguments(3, 7))
+    return tuple(inputs), out
+
+
+def rows_of(count: int, width: int, seed: int):
+    """Return hidden states and a rotary's cos and sin for `count` rows at positions 0, 7, 14, ..."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(count, width, generator=generator) * 2).bfloat16()
+    positions = torch.arange(count)[:, None] * 7.0
+    frequencies = 1e6 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    angles = torch.cat([positions * frequencies] * 2, dim=-1)
+    return hidden, angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
+    """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
+    layer = Layer(fmt, width=256, intermediate=640, seed=rows)
+    hidden, cos, sin = rows_of(rows, 256, seed=rows)
+    expected_inputs, expected_out = one_by_one(layer, hidden, cos, sin)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            got_inputs, got_out = fused(layer, hidden, cos, sin)
+        assert all(torch.equal(got, want) for got, want in zip(got_inputs, expected_inputs, strict=True))
+        assert torch.equal(got_out, expected_out)
+
+
+def test_a_rows_fused_result_does_not_depend_on_the_rows_beside_it():
+    layer = Layer(INT8, width=128, intermediate=256, seed=5)
+    hidden, cos, sin = rows_of(33, 128, seed=5)
+    _, together = fused(layer, hidden, cos, sin)
+    for row in (0, 16, 32):
+        _, alone = fused(layer, hidden[row:row + 1], cos[row:row + 1], sin[row:row + 1])
+        assert torch.equal(alone[0], together[row])
+
+
+def test_fused_operators_refuse_mismatched_arguments():
+    layer = Layer(INT8, width=128, intermediate=256, seed=6)
+    hidden, cos, sin = rows_of(2, 128, seed=6)
+    weights, scales, biases, outputs, code = layer.arguments(0, 3)
+    with pytest.raises(RuntimeError, match="takes 3 products"):
+        torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights[:2], scales[:2], biases[:2],
+                                            outputs[:2], code, cos, sin, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights, scales, biases, outputs, code,
+                                            cos[:1], sin[:1], HEAD_DIM)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16 vector"):
+        torch.ops.corechat.rms_norm(hidden, layer.norms[0][:64], EPS)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16 matrix"):
+        torch.ops.corechat.rms_norm(hidden.float(), layer.norms[0], EPS)
