@@ -33,7 +33,7 @@ def answered_by(server, messages: list[dict]) -> tuple[dict, int]:
     return body, pid
 
 
-def test_the_next_turn_on_the_other_worker_reuses_the_first_workers_kv_and_equals_the_cold_reply(tmp_path, gunicorn):
+def test_the_next_turn_on_the_other_worker_reuses_the_first_workers_kv_and_equals_the_cold_reply(gunicorn):
     """Turn 1 goes to one worker; follow-ups are sent until the other worker answers one: that one
     reuses at least turn 1's prompt, stored by the first worker, and equals its cold reply."""
     with gunicorn() as server:
@@ -50,7 +50,7 @@ def test_the_next_turn_on_the_other_worker_reuses_the_first_workers_kv_and_equal
             raise AssertionError(f"the other worker answered none of {MOST_TRIES} follow-ups")
         assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 1
 
-        shutil.rmtree(tmp_path / f"prefixes-{server.port}")
+        shutil.rmtree(server.env["PREFIX_CACHE_DIR"])
         cold = ask(server, turn)
         assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert cold["choices"][0]["message"] == shared["choices"][0]["message"]
