@@ -58,7 +58,7 @@ def main() -> None:
                     compute = time.perf_counter() - began
                     home = PrefixStore(config, 1 << 32, scratch / f"home-{tokens}", "model", shared=shared,
                                        turn_end_ids=[END_OF_TURN])
-                    home.store(ids, runner.read(kv, tokens))
+                    home.store(ids, runner.stored_shape(tokens), runner.read(kv, tokens))
                     began = time.perf_counter()
                     stored = next(home.folder.iterdir())
                     with stored.open("rb") as file:
