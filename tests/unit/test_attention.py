@@ -113,6 +113,26 @@ def test_a_decode_rows_bits_do_not_depend_on_the_other_rows_of_its_step():
         assert torch.equal(alone[0], together[row]), row
 
 
+def test_prompt_rows_of_two_sequences_in_one_call_get_each_prompt_alones_bits():
+    """Rows of one sequence are attended together: where one prompt's rows meet another's, each row
+    still gets the bits of its prompt attended alone, on every path."""
+    lengths = [70, 37]
+    query = random(sum(lengths), HEADS, DIM, seed=40)
+    keys, values = random(sum(lengths), KV_HEADS, DIM, seed=41), random(sum(lengths), KV_HEADS, DIM, seed=42)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    sequences = [0] * lengths[0] + [1] * lengths[1]
+    positions = list(range(lengths[0])) + list(range(lengths[1]))
+    for path in paths():
+        together = attend(new_pool(4), query, keys, values, tables, sequences, positions, path=path)
+        pool, first = new_pool(4), 0
+        for index, length in enumerate(lengths):
+            rows = slice(first, first + length)
+            alone = attend(pool, query[rows], keys[rows], values[rows], tables[index : index + 1], [0] * length,
+                           list(range(length)), path=path)
+            assert torch.equal(alone, together[rows]), (path, index)
+            first += length
+
+
 def test_a_nan_in_a_query_gives_nan_not_plausible_output():
     pool = new_pool(1)
     query = random(3, HEADS, DIM, seed=40)

@@ -84,10 +84,12 @@ struct Lanes {
     }
 };
 
-// 16 registers: 4 score accumulators (8 registers) and their key blocks; 4 value accumulators.
-constexpr int kScoreCombos = 4;
-constexpr int kScoreAccumulators = 4;
-constexpr int kValueAccumulators = 4;
+// 16 registers, a broadcast query element or weight in one: score accumulators and their key
+// blocks in 14 (7 Lanes), value accumulators and the value lanes they weigh in 14.
+constexpr int kScoreCombos = 6;
+constexpr int kScoreRegisters = 7;
+constexpr int kValueCombos = 6;
+constexpr int kValueRegisters = 7;
 
 }  // namespace
 

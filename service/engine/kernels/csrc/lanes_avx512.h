@@ -70,10 +70,12 @@ struct Lanes {
     }
 };
 
-// 32 registers: 16 score accumulators and their key blocks; 16 value accumulators and a value row.
-constexpr int kScoreCombos = 8;
-constexpr int kScoreAccumulators = 16;
-constexpr int kValueAccumulators = 16;
+// 32 registers, the query element and the weight each an FMA's broadcast memory operand: score
+// accumulators and their key blocks in 30, value accumulators and the value lanes they weigh in 30.
+constexpr int kScoreCombos = 14;
+constexpr int kScoreRegisters = 30;
+constexpr int kValueCombos = 8;
+constexpr int kValueRegisters = 30;
 
 }  // namespace
 

@@ -67,8 +67,9 @@ struct Lanes {
 };
 
 constexpr int kScoreCombos = 4;
-constexpr int kScoreAccumulators = 4;
-constexpr int kValueAccumulators = 4;
+constexpr int kScoreRegisters = 5;
+constexpr int kValueCombos = 4;
+constexpr int kValueRegisters = 5;
 
 }  // namespace
 
