@@ -1,13 +1,31 @@
 """Idle workers lend their cores to busy ones, with the defaults of `make serve` over HTTP: a lone request
 runs on every core."""
 
+import time
+
 import pytest
 
 from harness import chat, cpu_ticks_by_thread, ready_facts
+from service.engine.cores import busy_cpu_seconds
 from service.topology import physical_cores
 
 # A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).
 LONG_PROMPT = [{"role": "user", "content": "The keeper climbs the stairs and lights the lamp. " * 200}]
+# A worker lends no core while other processes keep half a CPU busy (service/engine/cores.py): the
+# test waits for that much quiet, as long as a server's shutdown or a test before it may take.
+QUIET_CPUS = 0.3
+QUIET_WAIT_SECONDS = 30
+
+
+def wait_for_a_quiet_machine() -> None:
+    """Wait until the machine's CPUs, all processes together, are busy less than QUIET_CPUS over half a second."""
+    deadline = time.monotonic() + QUIET_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        before, began = busy_cpu_seconds(), time.monotonic()
+        time.sleep(0.5)
+        if (busy_cpu_seconds() - before) / (time.monotonic() - began) < QUIET_CPUS:
+            return
+    raise AssertionError(f"the machine stayed busy for {QUIET_WAIT_SECONDS} s: no core is idle to lend")
 
 
 @pytest.mark.serial
@@ -21,6 +39,7 @@ def test_a_lone_request_runs_on_every_core_with_the_defaults(gunicorn):
     with gunicorn(workers=physical_cores()) as server:
         pids = server.worker_pids()
         assert all(facts["lends_cores"] for facts in ready_facts(server).values())
+        wait_for_a_quiet_machine()
         before = {pid: cpu_ticks_by_thread(pid) for pid in pids}
         assert chat(server, messages=LONG_PROMPT, max_tokens=1).status_code == 200
         after = {pid: cpu_ticks_by_thread(pid) for pid in pids}
