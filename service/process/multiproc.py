@@ -5,6 +5,7 @@ Without Flask (the supervisor never imports it); service/observability/metrics.p
 """
 
 import logging
+import struct
 from pathlib import Path
 
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -27,10 +28,11 @@ def forget_worker(pid: int, path: str) -> None:
 def worker_reported_ready(pid: int, path: str) -> bool:
     """Tell whether a worker (of any master sharing this metrics folder) reported itself ready."""
     value_file = Path(path) / f"gauge_livesum_{pid}.db"
-    if not value_file.exists():
+    try:
+        metrics = MultiProcessCollector.merge([str(value_file)])
+    except (OSError, struct.error, ValueError):
+        # Not there yet, or the worker is creating or growing it: it has not reported yet, as far as
+        # this read can tell; the next look sees the file whole.
         return False
-    for metric in MultiProcessCollector.merge([str(value_file)]):
-        for sample in metric.samples:
-            if sample.name == "corechat_workers_ready" and sample.value == 1:
-                return True
-    return False
+    return any(sample.name == "corechat_workers_ready" and sample.value == 1
+               for metric in metrics for sample in metric.samples)
