@@ -13,7 +13,7 @@ import pytest
 from harness import TINY_MODEL_DIR, GunicornServer, RedisServer
 from service.app import create_app
 from service.settings import Settings
-from tests.support import TEST_API_KEY, started_engine
+from tests.support import TEST_API_KEY, openai_client, started_engine
 
 
 def pytest_configure(config):
@@ -101,6 +101,20 @@ def default_server(gunicorn):
     """Run Gunicorn as `make serve` does (2 workers, every setting at its default) on the tiny model."""
     with gunicorn(workers=2) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def solo_server(gunicorn):
+    """Run Gunicorn with one worker (every other setting at its default) on the tiny model, so concurrent
+    requests share its batches; shared by the test session."""
+    with gunicorn(workers=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def solo_client(solo_server):
+    """Return an openai client of solo_server that never retries."""
+    return openai_client(solo_server)
 
 
 @pytest.fixture(scope="session")

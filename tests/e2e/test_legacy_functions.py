@@ -9,8 +9,6 @@ import pytest
 import requests
 from jsonschema import Draft202012Validator
 
-from tests.support import openai_client
-
 PARAMETERS = {
     "type": "object",
     "properties": {
@@ -27,27 +25,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED = {"name": "get_weather"}
 
 
-@pytest.fixture(scope="module")
-def server(gunicorn):
-    """Run Gunicorn with one worker on the tiny model."""
-    with gunicorn(workers=1) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    """Return an openai client of the server that never retries."""
-    return openai_client(server)
-
-
 def assert_follows_the_schema(arguments: str) -> None:
     """Fail unless a call's arguments are a JSON object that get_weather's schema accepts."""
     Draft202012Validator(PARAMETERS).validate(json.loads(arguments))
 
 
-def test_a_forced_function_call_comes_back_whole_as_message_function_call(client):
-    reply = client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
-                                           max_tokens=80, seed=4)
+def test_a_forced_function_call_comes_back_whole_as_message_function_call(solo_client):
+    reply = solo_client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
+                                                max_tokens=80, seed=4)
     choice = reply.choices[0]
     assert choice.finish_reason == "function_call", choice
     assert choice.message.content is None and choice.message.tool_calls is None
@@ -55,11 +40,11 @@ def test_a_forced_function_call_comes_back_whole_as_message_function_call(client
     assert_follows_the_schema(choice.message.function_call.arguments)
 
 
-def test_a_streamed_function_call_comes_as_name_then_arguments_pieces(client):
-    whole = client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
-                                           max_tokens=80, seed=5)
-    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
-                                                 max_tokens=80, seed=5, stream=True))
+def test_a_streamed_function_call_comes_as_name_then_arguments_pieces(solo_client):
+    whole = solo_client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call=FORCED,
+                                                max_tokens=80, seed=5)
+    chunks = list(solo_client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS,
+                                                      function_call=FORCED, max_tokens=80, seed=5, stream=True))
     pieces = [chunk.choices[0].delta.function_call for chunk in chunks
               if chunk.choices and chunk.choices[0].delta.function_call]
     assert pieces[0].name == "get_weather" and all(piece.name is None for piece in pieces[1:])
@@ -71,13 +56,13 @@ def test_a_streamed_function_call_comes_as_name_then_arguments_pieces(client):
     assert_follows_the_schema(arguments)
 
 
-def test_a_legacy_conversation_prompts_as_its_tools_form_does(client):
+def test_a_legacy_conversation_prompts_as_its_tools_form_does(solo_client):
     call = {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}
     called = {"role": "assistant", "content": None, "function_call": call}
-    legacy = client.chat.completions.create(
+    legacy = solo_client.chat.completions.create(
         model="tiny", messages=[*ASK, called, {"role": "function", "name": "get_weather", "content": "sunny"}],
         functions=FUNCTIONS, max_tokens=2, seed=1)
-    tools = client.chat.completions.create(
+    tools = solo_client.chat.completions.create(
         model="tiny", tools=TOOLS, max_tokens=2, seed=1, messages=[
             *ASK, {"role": "assistant", "content": None,
                    "tool_calls": [{"id": "call_1", "type": "function", "function": call}]},
@@ -87,20 +72,20 @@ def test_a_legacy_conversation_prompts_as_its_tools_form_does(client):
 
 
 @pytest.mark.parametrize("function_call, tool_choice", [("auto", "auto"), (None, "auto"), ("none", "none")])
-def test_function_call_auto_and_none_show_the_functions_as_tool_choice_does(client, function_call, tool_choice):
+def test_function_call_auto_and_none_show_the_functions_as_tool_choice_does(solo_client, function_call, tool_choice):
     legacy = {"functions": FUNCTIONS, **({"function_call": function_call} if function_call else {})}
-    as_legacy = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, seed=1, **legacy)
-    as_tools = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, seed=1, tools=TOOLS,
-                                              tool_choice=tool_choice)
+    as_legacy = solo_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, seed=1, **legacy)
+    as_tools = solo_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, seed=1, tools=TOOLS,
+                                                   tool_choice=tool_choice)
     assert as_legacy.usage.prompt_tokens == as_tools.usage.prompt_tokens
     assert as_legacy.choices[0].message.content == as_tools.choices[0].message.content
 
 
-def test_the_legacy_and_the_tools_form_share_a_cache_entry_each_answered_in_its_shape(server):
+def test_the_legacy_and_the_tools_form_share_a_cache_entry_each_answered_in_its_shape(solo_server):
     body = {"messages": [{"role": "user", "content": "Weather, cached?"}], "max_tokens": 80, "temperature": 0}
-    legacy = requests.post(f"{server.url}/v1/chat/completions", timeout=60,
+    legacy = requests.post(f"{solo_server.url}/v1/chat/completions", timeout=60,
                            json={**body, "functions": FUNCTIONS, "function_call": FORCED})
-    tools = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+    tools = requests.post(f"{solo_server.url}/v1/chat/completions", timeout=60, json={
         **body, "tools": TOOLS, "tool_choice": {"type": "function", "function": FORCED}, "parallel_tool_calls": False})
     assert (legacy.headers["X-Cache"], tools.headers["X-Cache"]) == ("miss", "hit")
     legacy_message, tools_message = legacy.json()["choices"][0]["message"], tools.json()["choices"][0]["message"]
@@ -127,8 +112,8 @@ def test_the_legacy_and_the_tools_form_share_a_cache_entry_each_answered_in_its_
          "messages[1].function_call.arguments"),
     ],
 )
-def test_a_bad_legacy_field_is_a_400_naming_it(server, body, param):
-    response = requests.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body},
+def test_a_bad_legacy_field_is_a_400_naming_it(solo_server, body, param):
+    response = requests.post(f"{solo_server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body},
                              timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
