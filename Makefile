@@ -30,7 +30,8 @@ $(VENV)/.kernels: $(VENV)/.installed $(KERNEL_SOURCES) | build-deps
 
 setup: $(VENV)/.installed $(VENV)/.kernels
 
-# Install the missing ones (needs root, as on CI and the developer machines).
+# Install the missing ones as root (as on CI and the developer machines); any other user is told
+# the apt-get line to run as root, instead of apt-get failing on its lock.
 system-deps:
 	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES)"
 
@@ -39,6 +40,9 @@ build-deps:
 
 install-packages:
 	@missing=""; for pkg in $(PACKAGES); do dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" != 0 ]; then \
+		echo "missing Debian packages; as root: apt-get update && apt-get install -y$$missing" >&2; exit 1; \
+	fi; \
 	if [ -n "$$missing" ]; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi

@@ -82,6 +82,13 @@ def on_exit(server):
         shutil.rmtree(settings.prometheus_multiproc_dir, ignore_errors=True)
 
 
+def when_ready(server):
+    """Warn at start when other hosts can reach the socket but ALLOWED_NETWORKS lets none of them in."""
+    warning = lifecycle.peers_shut_out(settings.bind, settings.allowed_network_list)
+    if warning:
+        server.log.warning(warning)
+
+
 def child_exit(server, worker):
     """Forget a dead worker's live gauges (requests running, ready), even after a SIGKILL."""
     multiproc.forget_worker(worker.pid, settings.prometheus_multiproc_dir)

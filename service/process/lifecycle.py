@@ -1,6 +1,7 @@
 """What Gunicorn's hooks do: give workers slots and cores, then start each worker's engine."""
 
 import gc
+import ipaddress
 import logging
 import mmap
 import os
@@ -48,6 +49,26 @@ def import_worker_libraries(model: str) -> None:
     gc.collect()
     return_freed_memory()
     gc.freeze()
+
+
+def peers_shut_out(bind: str, allowed_networks: tuple) -> str | None:
+    """Return a warning when Gunicorn listens beyond loopback while only loopback may connect.
+
+    With ALLOWED_NETWORKS empty, a worker closes every other host's connection at accept and logs it
+    at debug level only, so a BIND opened for other machines would seem to work here and fail there.
+    """
+    if allowed_networks or bind.startswith(("unix:", "fd://")):
+        return None
+    host, colon, port = bind.rpartition(":")
+    host = (host if colon and port.isdigit() else bind).strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"BIND {bind} listens beyond loopback but ALLOWED_NETWORKS is empty, so the workers close every "
+            "connection from another host at once: list the clients' addresses or networks in ALLOWED_NETWORKS")
 
 
 # The table through which this master's workers lend idle cores (engine/cores.py): per slot a byte

@@ -147,10 +147,17 @@ class ShippedRedis:
         return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> "ShippedRedis":
-        """Start redis-server with the shipped config, overriding only where it listens and writes."""
+        """Start redis-server with the shipped config, overriding only where it listens and writes.
+
+        The folder is changed in a copy of the config, not by a later --dir: redis-server enters each
+        `dir` as it reads it, and /var/lib/redis lets in only root and redis, so any other user running
+        the tests stopped at the shipped line.
+        """
+        config = self.work_dir / "corechat.conf"
+        config.write_text(re.sub(r"^dir .*$", f"dir {self.work_dir}", REDIS_CONF.read_text(), count=1, flags=re.M))
         self.process = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", str(REDIS_CONF), "--port", str(self.port),
-             "--dir", str(self.work_dir), "--pidfile", str(self.work_dir / "redis.pid")],
+            [shutil.which("redis-server") or "redis-server", str(config), "--port", str(self.port),
+             "--pidfile", str(self.work_dir / "redis.pid")],
             stdout=(self.work_dir / "redis.log").open("ab"),
             stderr=subprocess.STDOUT,
         )

@@ -5,6 +5,7 @@ without them would: whatever the master (or the supervisor) imports that reaches
 there, and the attempt is reported even where code swallows the ImportError.
 """
 
+import ipaddress
 import json
 import os
 import pkgutil
@@ -13,6 +14,7 @@ import sys
 
 import service.process
 from harness import REPO
+from service.process import lifecycle
 
 # Installed first in the child: refuses the blocked top-level packages and records each attempt.
 REFUSE_IMPORTS = """
@@ -91,3 +93,12 @@ def test_the_supervisor_and_reload_need_neither_torch_nor_flask(tmp_path):
     """The unit's main process and its ExecReload stay small: no torch, no Flask."""
     code = "import service.process.supervisor, service.process.reload\n"
     assert imports_refused(("torch", "flask", "transformers"), code, tmp_path) == []
+
+
+def test_a_bind_beyond_loopback_with_no_allowed_network_is_warned_of_at_start():
+    """Other hosts' connections are closed unseen unless ALLOWED_NETWORKS lists them: say so at start."""
+    for bind in ("0.0.0.0:8000", "[::]:8000", "192.0.2.7:8000", "0.0.0.0", "chat.example.com:8000"):
+        assert "ALLOWED_NETWORKS" in lifecycle.peers_shut_out(bind, ()), bind
+    for bind in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "127.0.0.2", "unix:/run/corechat.sock"):
+        assert lifecycle.peers_shut_out(bind, ()) is None, bind
+    assert lifecycle.peers_shut_out("0.0.0.0:8000", (ipaddress.ip_network("10.0.0.0/24"),)) is None
