@@ -285,7 +285,7 @@ int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
         }
     });
     TORCH_CHECK(checksum.load() != 0, "the peak probe did no work");
-    return threads * iterations * (path == kAvx512Vnni ? 12 * 64 : 8 * 32);
+    return threads * iterations * (path == kAvx512Vnni ? kPeakLanesAvx512 * 64 : kPeakLanesAvx2 * 32);
 }
 
 }  // namespace
