@@ -134,27 +134,9 @@ def rows_of(count: int, width: int, seed: int):
     return hidden, angles.cos().bfloat16(), angles.sin().bfloat16()
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, 17, 40])
-def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
-    """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
-    layer = Layer(fmt, width=256, intermediate=640, seed=rows)
-    hidden, cos, sin = rows_of(rows, 256, seed=rows)
-    expected_inputs, expected_out = one_by_one(layer, hidden, cos, sin)
-    for threads in (1, 2):
-        with torch_threads(threads):
-            got_inputs, got_out = fused(layer, hidden, cos, sin)
-        assert all(torch.equal(got, want) for got, want in zip(got_inputs, expected_inputs, strict=True))
-        assert torch.equal(got_out, expected_out)
-
-
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
-    """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
-    range of tiles the threads take in chunks that cross from one product into the next."""
-    layer = Layer(fmt, width=1024, intermediate=4096, seed=100 + rows, heads=16)
-    hidden, cos, sin = rows_of(rows, 1024, seed=rows)
+def assert_fused_as_one_by_one(layer: Layer, rows: int, seed: int) -> None:
+    """Check the fused operators give, on 1 and 2 threads, the bits of the operations one by one (on one thread)."""
+    hidden, cos, sin = rows_of(rows, layer.width, seed=seed)
     with torch_threads(1):
         expected_inputs, expected_out = one_by_one(layer, hidden, cos, sin)
     for threads in (1, 2):
@@ -162,6 +144,21 @@ def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a
             got_inputs, got_out = fused(layer, hidden, cos, sin)
         assert all(torch.equal(got, want) for got, want in zip(got_inputs, expected_inputs, strict=True))
         assert torch.equal(got_out, expected_out)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
+    """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
+    assert_fused_as_one_by_one(Layer(fmt, width=256, intermediate=640, seed=rows), rows, seed=rows)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
+    """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
+    range of tiles the threads take in chunks that cross from one product into the next."""
+    assert_fused_as_one_by_one(Layer(fmt, width=1024, intermediate=4096, seed=100 + rows, heads=16), rows, seed=rows)
 
 
 def test_a_rows_fused_result_does_not_depend_on_the_rows_beside_it():
