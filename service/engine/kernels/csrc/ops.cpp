@@ -23,8 +23,6 @@ namespace {
 // Products whose weights are this many bytes or fewer run on one thread: below it, waking the
 // pool costs more than it saves.
 constexpr int64_t kParallelBytes = 1 << 18;
-// The weight bytes of the piece of a product a thread takes at a time (whole tiles).
-constexpr int64_t kChunkBytes = 1 << 16;
 
 enum Path : int64_t { kBest = 0, kReference = 1, kAvx2 = 2, kAvx512Vnni = 3 };
 
@@ -201,20 +199,13 @@ std::vector<at::Tensor> products(const QuantizedInput& input, const std::vector<
             if (from < to) kernel(x, job.w, job.bias, job.out, from - job.first_tile, to - job.first_tile);
         }
     };
-    const int threads = at::get_num_threads();
-    if (threads <= 1 || bytes <= kParallelBytes || at::in_parallel_region()) {
+    // Small products stay on the calling thread: waking the pool costs more than it saves. Larger
+    // ones split the range into one contiguous piece per thread (each thread streams its piece).
+    if (bytes <= kParallelBytes) {
         run(0, tiles);
-        return outputs;
+    } else {
+        at::parallel_for(0, tiles, 1, run);
     }
-    // Every thread takes the next chunk of tiles until none is left: a thread slowed by another
-    // process leaves its share to the others instead of making them wait for it.
-    const int64_t tile_bytes = std::max<int64_t>(1, bytes / tiles);
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / tile_bytes);
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-        for (int64_t begin = next.fetch_add(chunk); begin < tiles; begin = next.fetch_add(chunk))
-            run(begin, std::min(tiles, begin + chunk));
-    });
     return outputs;
 }
 
