@@ -1,6 +1,6 @@
 """llama.cpp's llama-server as the benchmark's peer: built from source, fed the same model folder.
 
-    python -m bench.peer build                  # build llama-server and llama-quantize (~10 min, cached)
+    python -m bench.peer build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
     python -m bench.peer convert MODEL_DIR      # MODEL_DIR as f16, q8_0 and q4_0 GGUF files (cached)
 
 `bench/run.py --peer` calls both, then starts llama-server beside corechat. Nothing of llama.cpp is
@@ -35,7 +35,6 @@ QUANTIZATIONS = ("q8_0", "q4_0")
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_APP=OFF",
@@ -43,6 +42,13 @@ CMAKE_OPTIONS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+# The instruction sets a build may use: all this CPU has, or AVX2 at most (what an AVX2-only CPU
+# runs, to compare corechat's AVX2 path on a CPU that also has AVX-512).
+ISA_OPTIONS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"),
+}
 
 
 def progress(message: str) -> None:
@@ -91,16 +97,17 @@ class Toolchain:
         return self.server.is_file() and self.quantize.is_file()
 
 
-def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Toolchain:
-    """Return where the given sdist's llama.cpp is (or will be) unpacked and built on this CPU."""
+def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
+    """Return where the given sdist's llama.cpp is (or will be) unpacked and built on this CPU (with ISA_OPTIONS[isa])."""
     key = cpu_flags_key(Path("/proc/cpuinfo").read_text())
+    suffix = "" if isa == "native" else f"-{isa}"
     return Toolchain(source=root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp",
-                     build=root / f"build-{version}-{key}")
+                     build=root / f"build-{version}-{key}{suffix}")
 
 
-def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Toolchain:
-    """Download the sdist, unpack it and build llama-server and llama-quantize, once per version and CPU."""
-    toolchain = toolchain_for(version, root)
+def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
+    """Download the sdist, unpack it and build llama-server and llama-quantize, once per version, CPU and ISA_OPTIONS key."""
+    toolchain = toolchain_for(version, root, isa)
     with exclusive(root / "build.lock"):
         if toolchain.built:
             return toolchain
@@ -116,7 +123,8 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR) -> Too
                 sdist.extractall(root, filter="data")
         progress(f"building {', '.join(BUILD_TARGETS)} in {toolchain.build} (about 10 minutes on two cores)")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *CMAKE_OPTIONS],
+        subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *CMAKE_OPTIONS,
+                        *ISA_OPTIONS[isa]],
                        check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
                         "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
@@ -252,11 +260,13 @@ def main() -> None:
     """Build llama.cpp's tools, or convert a model folder with them."""
     parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
+    building = commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
+    building.add_argument("--isa", choices=sorted(ISA_OPTIONS), default="native",
+                          help="avx2: at most AVX2, as on an AVX2-only CPU")
     converting = commands.add_parser("convert", help="convert a model folder to GGUF (cached)")
     converting.add_argument("model_dir", type=Path)
     args = parser.parse_args()
-    toolchain = build()
+    toolchain = build(isa=getattr(args, "isa", "native"))
     if args.command == "build":
         print(json.dumps({"server": str(toolchain.server), "quantize": str(toolchain.quantize)}))
     else:

@@ -4,6 +4,7 @@ prompts, conversations.
     python bench/versus.py                 # 3 rounds on the Qwen2.5-0.5B-shaped dev model (about 15 min a round)
     python bench/versus.py --rounds 5 --formats int8
     python bench/versus.py --quick         # the tiny model, one round, short scenarios: checks that it all runs
+    python bench/versus.py --isa avx2 --no-conversations   # both servers on AVX2 at most (an AVX2-only CPU's work)
 
 `python bench/run.py --peer` runs it after its own scenarios. Each round starts every server in turn
 (corechat DTYPE=int8 in its default shape, llama-server q8_0, corechat int4, llama-server q4_0; the
@@ -18,7 +19,9 @@ worker per core), the same client (harness/client.py's streaming client) and the
 - (int8 only) multi-turn: 4 sessions x 6 turns, each turn resending the whole conversation;
   and a one-line question 0.5 s behind a ~5,000-token document (corechat WORKERS=1 then, one
   process as llama-server is: bench/conversations.py's scenarios).
-The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
+--no-conversations leaves out the two conversation scenarios. --isa avx2 runs corechat with
+KERNEL_PATH=avx2 and a llama.cpp built for AVX2 at most (bench/peer.py), so an AVX-512 CPU compares
+what an AVX2-only CPU runs. The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
 each kernel path's peak multiply-add rate. Results go to bench/results/<machine>/<name>.json and
 .md with the CPU, its kernel paths, the date and the commit.
 """
@@ -101,11 +104,11 @@ def with_corechat(scratch: Path, model_dir: Path, measure_server, **settings) ->
         server.stop()
 
 
-def with_peer(scratch: Path, peer_model: Path, measure_server, slots: int) -> dict:
+def with_peer(scratch: Path, peer_model: Path, measure_server, slots: int, isa: str = "native") -> dict:
     """Start llama-server (the same threads, `slots` sequences of CONTEXT_TOKENS), measure, stop."""
     from bench.peer import LlamaServer, toolchain_for
 
-    server = LlamaServer(toolchain_for(), peer_model, scratch, port=free_port(), threads=physical_cores(), slots=slots,
+    server = LlamaServer(toolchain_for(isa=isa), peer_model, scratch, port=free_port(), threads=physical_cores(), slots=slots,
                          context_per_slot=CONTEXT_TOKENS)
     server.start()
     try:
@@ -130,21 +133,22 @@ def probe_machine(quick: bool) -> dict:
             "peak_multiply_adds_per_second": json.loads(peaks.strip().splitlines()[-1])}
 
 
-def run(rounds: int, formats: list[str], quick: bool) -> dict:
-    """Probe the machine, then run the rounds; return every round's figures."""
+def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conversations: bool = True) -> dict:
+    """Probe the machine, then run the rounds (both servers on `isa`: native or avx2); return every round's figures."""
     from bench.peer import build, convert
     from devtools.devmodel import build_dev_model
 
     preset = "tiny" if quick else "qwen2.5-0.5b"
     model_dir = CACHE_DIR / ("test-tiny" if quick else f"bench-{preset}")
     build_dev_model(model_dir, preset)
-    peer_models = convert(build(), model_dir)
+    peer_models = convert(build(isa=isa), model_dir)
+    kernel = {} if isa == "native" else {"kernel_path": isa}
     sizes = Sizes(quick)
     reply_tokens = 8 if quick else REPLY_TOKENS
     long_prompts = {name: max(2, sentences // 10) for name, sentences in LONG_PROMPTS.items()} if quick else LONG_PROMPTS
     slots = Settings.model_fields["max_running"].default
     progress("machine: read bandwidth and peak multiply-add rates")
-    results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats,
+    results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats, "isa": isa,
                "weight_bytes_per_token": {fmt: weight_bytes_per_token(model_dir, fmt)["bytes_per_token"] for fmt in formats},
                "sizes": {"reply_tokens": reply_tokens, "stream_counts": list(STREAM_COUNTS), "slots": slots,
                          "conversations": vars(sizes)}}
@@ -153,22 +157,23 @@ def run(rounds: int, formats: list[str], quick: bool) -> dict:
         for number in range(rounds):
             figures = {}
             for fmt in formats:
-                conversations = sizes if fmt == "int8" else None
+                talks = sizes if fmt == "int8" and conversations else None
                 servers = [("corechat", lambda: with_corechat(
-                               scratch, model_dir, lambda url, pids: measure(url, pids, reply_tokens, conversations, long_prompts),
-                               dtype=fmt)),
+                               scratch, model_dir, lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts),
+                               dtype=fmt, **kernel)),
                            ("llama.cpp", lambda: with_peer(
                                scratch, peer_models[PEER_QUANTIZATION[fmt]],
-                               lambda url, pids: measure(url, pids, reply_tokens, conversations, long_prompts), slots))]
+                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts), slots, isa))]
                 for name, start in servers if number % 2 == 0 else reversed(servers):
                     progress(f"round {number + 1} of {rounds}: {name} {fmt}")
                     figures[f"{name} {fmt}"] = start()
-            if "int8" in formats:
+            if "int8" in formats and conversations:
                 progress(f"round {number + 1} of {rounds}: a question behind a document, one process each")
                 behind = [("corechat one worker", lambda: with_corechat(
-                              scratch, model_dir, lambda url, _: short_behind_long(url, sizes), dtype="int8", workers=1)),
+                              scratch, model_dir, lambda url, _: short_behind_long(url, sizes), dtype="int8", workers=1,
+                              **kernel)),
                           ("llama.cpp one process", lambda: with_peer(
-                              scratch, peer_models["q8_0"], lambda url, _: short_behind_long(url, sizes), slots))]
+                              scratch, peer_models["q8_0"], lambda url, _: short_behind_long(url, sizes), slots, isa))]
                 for name, start in behind if number % 2 == 0 else reversed(behind):
                     figures[name] = {"short_behind_long": start()}
             results["rounds"].append(figures)
@@ -208,7 +213,9 @@ def render(name: str, results: dict) -> str:
     lines = [f"# {name}", "",
              f"{len(rounds)} rounds, servers alternating; medians (range over rounds); corechat / llama.cpp per round. "
              f"Read bandwidth {probes['read_bytes_per_second'] / 1e9:.1f} GB/s on {probes['threads']} threads; "
-             f"peak multiply-adds per path on as many threads: {peaks}.", ""]
+             f"peak multiply-adds per path on as many threads: {peaks}."
+             + (f" Both servers on {results['isa']} at most (corechat KERNEL_PATH={results['isa']})."
+                if results.get("isa", "native") != "native" else ""), ""]
     for fmt in results["formats"]:
         peer = PEER_QUANTIZATION[fmt]
         lines += [f"## corechat {fmt} vs llama.cpp {peer}", "",
@@ -268,11 +275,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--formats", nargs="+", default=list(PEER_QUANTIZATION), choices=sorted(PEER_QUANTIZATION))
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round: checks that it all runs")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: both servers on AVX2 at most, as on an AVX2-only CPU")
+    parser.add_argument("--no-conversations", action="store_true", help="leave out the conversation scenarios")
     parser.add_argument("--name", help="results file name (default: versus, or versus-quick)")
     parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     args = parser.parse_args()
     name = args.name or ("versus-quick" if args.quick else "versus")
-    results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick)
+    results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick, args.isa, not args.no_conversations)
     written = save_results(name, results, render(name, results), args.results_dir)
     progress(f"wrote {written}.json and .md")
 

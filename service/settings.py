@@ -225,6 +225,11 @@ class Settings(BaseSettings):
         description="Where DTYPE=int8 or int4 writes its converted weights, and every DTYPE keeps the weight "
         "files' hashes (the model's fingerprint), when the model folder is read-only.",
     )
+    kernel_path: Literal["best", "avx512_vnni", "avx2", "reference"] = Field(
+        "best", description="The kernels' instruction-set path: best (the best this CPU runs), or one it runs "
+        "(avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs). Every path gives the same bits; a worker whose "
+        "CPU lacks the path fails to start."
+    )
     kernels_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "kernels"),
         description="Where a worker builds corechat's C++ kernels when the virtualenv holds no build for this "

@@ -187,7 +187,8 @@ class Engine:
         parameters = sum(p.numel() for p in self.model.parameters())
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer, Path(self.settings.converted_weights_dir))
         prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
-                                 Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take)
+                                 Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take,
+                                 kernel_path=self.settings.kernel_path)
         weight_format = prepared.weight_format
         self.facts.update(kernel_paths=prepared.kernel_paths, quantization=prepared.quantization,
                           converted_weights=prepared.converted_weights, forward=prepared.forward)

@@ -23,20 +23,21 @@ class PreparedModel:
 
 
 def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str,
-                  between_layers: Callable[[], object] | None = None) -> PreparedModel:
+                  between_layers: Callable[[], object] | None = None, kernel_path: str = "best") -> PreparedModel:
     """Ready a loaded model for its DTYPE; return what was decided, `weight_format` among it.
 
     int8 and int4 swap in QuantizedLinear layers; they and bfloat16 run the lean forward (qwen2.py)
     with corechat's attention kernel for Qwen2-family models, so the kernels are loaded for all
     three. float32, and models the lean forward does not serve, run transformers' own forward. weight_format names what decides the
     replies' bits, so hosts that differ in it never share cached replies. between_layers runs
-    before every decoder layer of every forward (the engine's core sharing, cores.py).
+    before every decoder layer of every forward (the engine's core sharing, cores.py). kernel_path
+    names the kernels' instruction-set path (KERNEL_PATH; every path gives the same bits).
     """
     if dtype == "float32":
         call_between_layers(model, between_layers)
         return PreparedModel(weight_format=dtype, forward="transformers")
     kernels.load(kernels_dir)
-    kernel_paths = ",".join(kernels.available_paths())
+    kernel_paths = ",".join(kernels.use_path(kernel_path))
     quantization = converted_weights = None
     fmt = FORMATS.get(dtype)
     if fmt is not None:

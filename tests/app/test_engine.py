@@ -19,6 +19,7 @@ from service.engine import (
     SamplingParams,
     Started,
     TextDelta,
+    kernels,
 )
 from tests.support import started_engine
 
@@ -175,6 +176,17 @@ def test_weight_format_is_part_of_the_fingerprint(make_settings, engine):
         assert exact.fingerprint != engine.fingerprint
         # int8 Linear weights are buffers, not parameters: the count must still be the model's.
         assert engine.facts.parameters == exact.facts.parameters > 0
+
+
+def test_kernel_path_avx2_serves_the_same_replies_on_the_avx2_kernels(make_settings, engine):
+    """KERNEL_PATH=avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs; every path gives the same bits."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    try:
+        with started_engine(make_settings(max_model_len=256, kernel_path="avx2")) as on_avx2:
+            assert on_avx2.facts.kernel_paths == "reference,avx2"
+            assert run(on_avx2, params)[0] == run(engine, params)[0]
+    finally:
+        kernels.use_path("best")
 
 
 POISONED_WORD = "Hello"

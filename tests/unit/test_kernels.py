@@ -246,6 +246,25 @@ def test_thread_count_does_not_change_the_output():
     assert torch.equal(one, two)
 
 
+def test_use_path_makes_best_run_the_chosen_path_and_refuses_one_this_cpu_lacks():
+    generator = torch.Generator().manual_seed(6)
+    weight, scales = quantized(INT8, 64, 256, generator)
+    x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+    reference = product(INT8, x, weight, scales, 64, path="reference")
+    try:
+        for path in kernels.available_paths():
+            assert kernels.use_path(path)[-1] == path
+            # The library's own answer: what `best` resolves to now.
+            assert torch.ops.corechat.use_path(kernels.PATHS[path]) == path
+            assert same_bits(product(INT8, x, weight, scales, 64, path="best"), reference)
+        with pytest.raises(ValueError, match="not among"):
+            kernels.use_path("neon")
+        with pytest.raises(RuntimeError, match="no kernel path"):
+            torch.ops.corechat.use_path(7)
+    finally:
+        assert kernels.use_path("best") == kernels.available_paths()
+
+
 def test_a_product_runs_on_every_thread_it_is_given():
     """The library is built with OpenMP (without it at::parallel_for runs on one thread): a large
     product with two torch threads keeps two of this process's threads busy."""

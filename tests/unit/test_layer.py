@@ -68,12 +68,13 @@ def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator)
 
 
 class Layer:
-    """A random decoder layer's weights: 4 query heads on 2 key/value heads, q/k/v with biases."""
+    """A random decoder layer's weights: `heads` query heads on half as many key/value heads, q/k/v with biases."""
 
-    def __init__(self, fmt, width: int, intermediate: int, seed: int):
+    def __init__(self, fmt, width: int, intermediate: int, seed: int, heads: int = 4):
         generator = torch.Generator().manual_seed(seed)
         self.fmt, self.width = fmt, width
-        shapes = [4 * HEAD_DIM, 2 * HEAD_DIM, 2 * HEAD_DIM, width, intermediate, intermediate, width]
+        kv_width = heads // 2 * HEAD_DIM
+        shapes = [heads * HEAD_DIM, kv_width, kv_width, width, intermediate, intermediate, width]
         inputs = [width] * 6 + [intermediate]
         self.products = [random_quantized(fmt, outputs, size, generator) for outputs, size in zip(shapes, inputs)]
         self.outputs = shapes
@@ -133,18 +134,31 @@ def rows_of(count: int, width: int, seed: int):
     return hidden, angles.cos().bfloat16(), angles.sin().bfloat16()
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, 17, 40])
-def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
-    """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
-    layer = Layer(fmt, width=256, intermediate=640, seed=rows)
-    hidden, cos, sin = rows_of(rows, 256, seed=rows)
-    expected_inputs, expected_out = one_by_one(layer, hidden, cos, sin)
+def assert_fused_as_one_by_one(layer: Layer, rows: int, seed: int) -> None:
+    """Check the fused operators give, on 1 and 2 threads, the bits of the operations one by one (on one thread)."""
+    hidden, cos, sin = rows_of(rows, layer.width, seed=seed)
+    with torch_threads(1):
+        expected_inputs, expected_out = one_by_one(layer, hidden, cos, sin)
     for threads in (1, 2):
         with torch_threads(threads):
             got_inputs, got_out = fused(layer, hidden, cos, sin)
         assert all(torch.equal(got, want) for got, want in zip(got_inputs, expected_inputs, strict=True))
         assert torch.equal(got_out, expected_out)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
+    """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
+    assert_fused_as_one_by_one(Layer(fmt, width=256, intermediate=640, seed=rows), rows, seed=rows)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
+    """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
+    range of tiles the threads take in chunks that cross from one product into the next."""
+    assert_fused_as_one_by_one(Layer(fmt, width=1024, intermediate=4096, seed=100 + rows, heads=16), rows, seed=rows)
 
 
 def test_a_rows_fused_result_does_not_depend_on_the_rows_beside_it():

@@ -240,3 +240,13 @@ def load(fallback_dir: Path | None = None) -> Path:
 def available_paths() -> list[str]:
     """Return the kernel paths the loaded library runs on this CPU, best last."""
     return list(torch.ops.corechat.paths())
+
+
+def use_path(name: str) -> list[str]:
+    """Run `name`'s kernels wherever the best path would run ("best": the best this CPU runs); return
+    the paths in use, the chosen one last. Raise ValueError for a path this library or CPU lacks."""
+    paths = available_paths()
+    if name != "best" and name not in paths:
+        raise ValueError(f"kernel path {name} is not among this CPU's {', '.join(paths)}")
+    in_use = torch.ops.corechat.use_path(PATHS[name])
+    return paths[: paths.index(in_use) + 1]

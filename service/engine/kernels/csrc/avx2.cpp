@@ -11,18 +11,23 @@
 namespace corechat {
 
 // The peak multiply-add rate's probe on AVX2: the product's own maddubs, madd and add per 32 byte
-// pairs, on eight independent accumulators. Returns a sum so it is not elided.
+// pairs, on kPeakLanesAvx2 independent accumulators, each with its own operand that an empty asm
+// makes unknown every round (with one shared operand the compiler computes the maddubs and madd
+// once a round for every lane). Returns a sum so it is not elided.
 int64_t peak_loop_avx2(int64_t iterations) {
-    __m256i acc[8];
-    for (auto& lane : acc) lane = _mm256_setzero_si256();
-    __m256i ones = _mm256_set1_epi8(1), twos = _mm256_set1_epi8(2);
-    const __m256i words = _mm256_set1_epi16(1);
+    __m256i acc[kPeakLanesAvx2], operand[kPeakLanesAvx2];
+    for (int k = 0; k < kPeakLanesAvx2; ++k) {
+        acc[k] = _mm256_setzero_si256();
+        operand[k] = _mm256_set1_epi8(static_cast<char>(1 + k));
+    }
+    const __m256i twos = _mm256_set1_epi8(2), words = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < iterations; ++i) {
-        asm volatile("" : "+x"(ones), "+x"(twos));
-        for (auto& lane : acc) lane = _mm256_add_epi32(lane, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, twos), words));
+        for (auto& lane : operand) asm volatile("" : "+x"(lane));
+        for (int k = 0; k < kPeakLanesAvx2; ++k)
+            acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(operand[k], twos), words));
     }
     __m256i total = acc[0];
-    for (int k = 1; k < 8; ++k) total = _mm256_add_epi32(total, acc[k]);
+    for (int k = 1; k < kPeakLanesAvx2; ++k) total = _mm256_add_epi32(total, acc[k]);
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
     int64_t sum = 0;

@@ -14,7 +14,7 @@ namespace corechat {
 // on twelve independent accumulators, which no product can beat on this path. Returns a sum so it
 // is not elided.
 int64_t peak_loop_avx512(int64_t iterations) {
-    __m512i acc[12];
+    __m512i acc[kPeakLanesAvx512];
     for (auto& lane : acc) lane = _mm512_setzero_si512();
     __m512i ones = _mm512_set1_epi8(1), twos = _mm512_set1_epi8(2);
     for (int64_t i = 0; i < iterations; ++i) {
@@ -22,7 +22,7 @@ int64_t peak_loop_avx512(int64_t iterations) {
         for (auto& lane : acc) lane = _mm512_dpbusd_epi32(lane, ones, twos);
     }
     __m512i total = acc[0];
-    for (int k = 1; k < 12; ++k) total = _mm512_add_epi32(total, acc[k]);
+    for (int k = 1; k < kPeakLanesAvx512; ++k) total = _mm512_add_epi32(total, acc[k]);
     return _mm512_reduce_add_epi32(total);
 }
 

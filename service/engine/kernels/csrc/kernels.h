@@ -135,7 +135,8 @@ struct PagedAttention {
 };
 
 // The peak-rate probes: `iterations` rounds of a path's multiply-add instructions alone (avx512:
-// 12 x 64 multiply-adds a round, avx2: 8 x 32).
+// kPeakLanesAvx512 x 64 multiply-adds a round, avx2: kPeakLanesAvx2 x 32).
+constexpr int kPeakLanesAvx512 = 12, kPeakLanesAvx2 = 5;
 int64_t peak_loop_avx512(int64_t iterations);
 int64_t peak_loop_avx2(int64_t iterations);
 

@@ -129,8 +129,13 @@ struct Products {
                     outputs.size() == count, block, " takes ", count, " products");
     }
 
-    at::Tensor apply(size_t index, const QuantizedInput& input) const {
-        return product(input, weights[index], scales[index], biases.get(index), format, outputs[index], false, 0);
+    ProductSpec spec(size_t index) const {
+        return ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false};
+    }
+    at::Tensor apply(size_t index, const QuantizedInput& input) const { return products({spec(index)}, input)[0]; }
+    // Several products of one input, computed together (ops.h: products).
+    std::vector<at::Tensor> products(std::vector<ProductSpec> specs, const QuantizedInput& input) const {
+        return corechat::products(input, specs, 0);
     }
 };
 
@@ -153,8 +158,7 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
         TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
     // Rounded once for the three products.
     const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps));
-    std::vector<at::Tensor> results;
-    for (size_t index = 0; index < 3; ++index) results.push_back(products.apply(index, states));
+    std::vector<at::Tensor> results = products.products({products.spec(0), products.spec(1), products.spec(2)}, states);
     rotate(results[0], head_dim, cos, sin);
     rotate(results[1], head_dim, cos, sin);
     return results;
@@ -180,8 +184,9 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     // Rounded once for gate and up.
     const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps));
     // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
-    at::Tensor activation = at::silu(products.apply(1, states));
-    activation.mul_(products.apply(2, states));
+    std::vector<at::Tensor> gate_up = products.products({products.spec(1), products.spec(2)}, states);
+    at::Tensor activation = at::silu(gate_up[0]);
+    activation.mul_(gate_up[1]);
     at::Tensor down = products.apply(3, quantize_input(activation));
     add_into(sum, down);
     return sum;

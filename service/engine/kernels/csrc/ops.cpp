@@ -56,12 +56,21 @@ const char* path_name(Path path) {
     }
 }
 
-MatmulKernel select_matmul(int64_t requested) {
+// The path `best` (0) runs: the best this CPU runs, or the one use_path chose.
+std::atomic<int64_t> chosen_path{kBest};
+
+// Resolve a requested path to one this library and CPU run, or raise.
+Path resolve(int64_t requested) {
     static const std::vector<Path> paths = available_paths();
-    Path path = requested == kBest ? paths.back() : static_cast<Path>(requested);
+    const int64_t chosen = requested == kBest ? chosen_path.load() : requested;
+    const Path path = chosen == kBest ? paths.back() : static_cast<Path>(chosen);
     TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "corechat kernel path ",
                 path_name(path), " is not built or not supported by this CPU");
-    switch (path) {
+    return path;
+}
+
+MatmulKernel select_matmul(int64_t requested) {
+    switch (resolve(requested)) {
 #ifdef CORECHAT_WITH_AVX512_VNNI
         case kAvx512Vnni: return matmul_avx512_vnni;
 #endif
@@ -70,6 +79,16 @@ MatmulKernel select_matmul(int64_t requested) {
 #endif
         default: return matmul_reference;
     }
+}
+
+// torch.ops.corechat.use_path: make `best` mean this path (0: the best this CPU runs again); return
+// its name. Every path gives the same bits: a choice changes speed only.
+std::string use_path(int64_t path) {
+    TORCH_CHECK(path >= kBest && path <= kAvx512Vnni, "no kernel path ", path);
+    chosen_path = kBest;
+    const Path resolved = resolve(path);
+    chosen_path = path;
+    return path_name(resolved);
 }
 
 std::vector<std::string> paths() {
@@ -112,9 +131,20 @@ QuantizedInput quantize_input(const at::Tensor& input) {
     return x;
 }
 
-at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs, bool float32_output,
-                   int64_t path) {
+namespace {
+
+// One product of a shared run: its weights, bias and output, and where its tiles start in the run's range.
+struct Job {
+    Weights w;
+    const float* bias;
+    Output out;
+    int64_t first_tile, tiles;
+};
+
+// Check one product's tensors and make its output (rows x outputs).
+Job prepare(const QuantizedInput& input, const ProductSpec& spec, int64_t first_tile, at::Tensor& output) {
+    const at::Tensor &weight = spec.weight, &scales = spec.scales;
+    const int64_t format = spec.format, outputs = spec.outputs;
     check_cpu(weight, "weight");
     check_cpu(scales, "scales");
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scales.is_contiguous(),
@@ -134,23 +164,55 @@ at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const 
                     "int4 scales must be float16 [padded rows / 16, inputs / 32, 16]");
     }
     const float* bias_data = nullptr;
-    if (bias.has_value()) {
-        check_cpu(*bias, "bias");
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == outputs,
+    if (spec.bias.has_value()) {
+        const at::Tensor& bias = *spec.bias;
+        check_cpu(bias, "bias");
+        TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == outputs,
                     "bias must be float32 [outputs]");
-        bias_data = bias->data_ptr<float>();
+        bias_data = bias.data_ptr<float>();
     }
+    output = at::empty({rows, outputs}, input.values.options().dtype(spec.float32_output ? at::kFloat : at::kBFloat16));
+    return Job{Weights{static_cast<int>(format), weight.const_data_ptr<uint8_t>(), scales.const_data_ptr(), outputs, inputs},
+               bias_data, Output{output.data_ptr(), outputs, !spec.float32_output}, first_tile, stored / kTileOutputs};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> products(const QuantizedInput& input, const std::vector<ProductSpec>& specs, int64_t path) {
+    TORCH_CHECK(!specs.empty(), "no product to compute");
     const MatmulKernel kernel = select_matmul(path);
+    const int64_t rows = input.values.size(0), inputs = input.values.size(1);
     QuantizedRows x{input.values.const_data_ptr<int8_t>(), input.scales.const_data_ptr<float>(),
                     input.sums.const_data_ptr<int32_t>(), rows, inputs};
-    Weights w{static_cast<int>(format), weight.const_data_ptr<uint8_t>(), scales.const_data_ptr(), outputs, inputs};
-    at::Tensor output = at::empty({rows, outputs}, input.values.options().dtype(float32_output ? at::kFloat : at::kBFloat16));
-    Output out{output.data_ptr(), outputs, !float32_output};
-    // Whole tiles per task, at least four, and enough bytes each that waking a thread pays.
-    const int64_t tile_bytes = blocks * block_bytes(static_cast<int>(format));
-    at::parallel_for(0, stored / kTileOutputs, std::max<int64_t>(4, kParallelBytes / tile_bytes),
-                     [&](int64_t begin, int64_t end) { kernel(x, w, bias_data, out, begin, end); });
-    return output;
+    std::vector<at::Tensor> outputs(specs.size());
+    std::vector<Job> jobs;
+    int64_t tiles = 0, bytes = 0;
+    for (size_t index = 0; index < specs.size(); ++index) {
+        jobs.push_back(prepare(input, specs[index], tiles, outputs[index]));
+        tiles += jobs.back().tiles;
+        bytes += jobs.back().tiles * (inputs / kBlock) * block_bytes(jobs.back().w.format);
+    }
+    // Run tiles [begin, end) of the shared range, each piece with its own product.
+    const auto run = [&](int64_t begin, int64_t end) {
+        for (const Job& job : jobs) {
+            const int64_t from = std::max(begin, job.first_tile), to = std::min(end, job.first_tile + job.tiles);
+            if (from < to) kernel(x, job.w, job.bias, job.out, from - job.first_tile, to - job.first_tile);
+        }
+    };
+    // Small products stay on the calling thread: waking the pool costs more than it saves. Larger
+    // ones split the range into one contiguous piece per thread (each thread streams its piece).
+    if (bytes <= kParallelBytes) {
+        run(0, tiles);
+    } else {
+        at::parallel_for(0, tiles, 1, run);
+    }
+    return outputs;
+}
+
+at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs, bool float32_output,
+                   int64_t path) {
+    return products(input, {ProductSpec{weight, scales, bias, format, outputs, float32_output}}, path)[0];
 }
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
@@ -162,11 +224,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
 namespace {
 
 AttendKernel select_attend(int64_t requested) {
-    static const std::vector<Path> paths = available_paths();
-    Path path = requested == kBest ? paths.back() : static_cast<Path>(requested);
-    TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "corechat kernel path ",
-                path_name(path), " is not built or not supported by this CPU");
-    switch (path) {
+    switch (resolve(requested)) {
 #ifdef CORECHAT_WITH_AVX512_VNNI
         case kAvx512Vnni: return attend_avx512;
 #endif
@@ -285,7 +343,7 @@ int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
         }
     });
     TORCH_CHECK(checksum.load() != 0, "the peak probe did no work");
-    return threads * iterations * (path == kAvx512Vnni ? 12 * 64 : 8 * 32);
+    return threads * iterations * (path == kAvx512Vnni ? kPeakLanesAvx512 * 64 : kPeakLanesAvx2 * 32);
 }
 
 }  // namespace
@@ -298,6 +356,7 @@ TORCH_LIBRARY(corechat, m) {
     m.def("page_layout() -> int[]", page_layout);
     m.def("peak_multiply_adds(int path, int iterations, int threads) -> int", peak_multiply_adds);
     m.def("paths() -> str[]", paths);
+    m.def("use_path(int path) -> str", use_path);
     m.def("layout() -> (str[], int[])", layout);
 }
 

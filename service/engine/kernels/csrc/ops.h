@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 namespace corechat {
 
@@ -21,6 +22,21 @@ struct QuantizedInput {
 // Round a contiguous bfloat16 or float32 matrix's rows for the products: once per input, however
 // many products take it.
 QuantizedInput quantize_input(const at::Tensor& input);
+
+// One product of a rounded input: a stored weight (kernels.h), its scales and float32 bias, the
+// outputs it holds and whether they come out as float32 (else bfloat16).
+struct ProductSpec {
+    at::Tensor weight;
+    at::Tensor scales;
+    std::optional<at::Tensor> bias;
+    int64_t format;
+    int64_t outputs;
+    bool float32_output;
+};
+
+// Products of one rounded input computed together, [rows, outputs] each: their tiles form one range
+// the threads share, so products too small to split alone (a layer's keys and values) still do.
+std::vector<at::Tensor> products(const QuantizedInput& input, const std::vector<ProductSpec>& specs, int64_t path);
 
 // A rounded input times a stored weight (kernels.h), plus the float32 bias.
 at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const at::Tensor& scales,
