@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -129,13 +130,12 @@ struct Products {
                     outputs.size() == count, block, " takes ", count, " products");
     }
 
-    ProductSpec spec(size_t index) const {
-        return ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false};
-    }
-    at::Tensor apply(size_t index, const QuantizedInput& input) const { return products({spec(index)}, input)[0]; }
-    // Several products of one input, computed together (ops.h: products).
-    std::vector<at::Tensor> products(std::vector<ProductSpec> specs, const QuantizedInput& input) const {
-        return corechat::products(input, specs, 0);
+    // Products `indices` of one input, computed together (ops.h: products), in that order.
+    std::vector<at::Tensor> apply(std::initializer_list<size_t> indices, const QuantizedInput& input) const {
+        std::vector<ProductSpec> specs;
+        for (size_t index : indices)
+            specs.push_back(ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false});
+        return products(input, specs, 0);
     }
 };
 
@@ -158,7 +158,7 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
         TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
     // Rounded once for the three products.
     const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps));
-    std::vector<at::Tensor> results = products.products({products.spec(0), products.spec(1), products.spec(2)}, states);
+    std::vector<at::Tensor> results = products.apply({0, 1, 2}, states);
     rotate(results[0], head_dim, cos, sin);
     rotate(results[1], head_dim, cos, sin);
     return results;
@@ -178,16 +178,16 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     TORCH_CHECK(outputs[0] == hidden.size(1) && outputs[3] == hidden.size(1),
                 "the output and down products must give hidden's width, ", hidden.size(1));
     TORCH_CHECK(outputs[1] == outputs[2], "the gate and up products must have the same width");
-    at::Tensor sum = products.apply(0, quantize_input(attended));
+    at::Tensor sum = products.apply({0}, quantize_input(attended))[0];
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
     // Rounded once for gate and up.
     const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps));
     // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
-    std::vector<at::Tensor> gate_up = products.products({products.spec(1), products.spec(2)}, states);
+    std::vector<at::Tensor> gate_up = products.apply({1, 2}, states);
     at::Tensor activation = at::silu(gate_up[0]);
     activation.mul_(gate_up[1]);
-    at::Tensor down = products.apply(3, quantize_input(activation));
+    at::Tensor down = products.apply({3}, quantize_input(activation))[0];
     add_into(sum, down);
     return sum;
 }
