@@ -149,11 +149,14 @@ def test_killing_the_master_mid_load_fails_no_request_and_hits_resume_on_the_pro
                  "(%d repeated requests served uncached meanwhile)", promoted_at - killed_at,
                  resumed.sent_at - killed_at, len(missed))
 
-        # New replies are stored on the promoted replica and hit from there.
+        # New replies are stored on the promoted replica and hit from there. Each worker has its own breaker,
+        # and the worker that did not serve the first hit may still be waiting out its own, or may meet its
+        # stale connection to the dead master now and wait once more: it serves uncached meanwhile.
         before = stored_replies(sentinel_group.replica)
         fresh = {**repeated, "messages": [{"role": "user", "content": "Asked after the failover."}]}
-        assert cached(server.url, fresh) == "miss"
-        assert cached(server.url, fresh) == "hit"
+        statuses: list[str] = []
+        wait_for(lambda: statuses.append(cached(server.url, fresh)) or statuses[-1] == "hit", 30, "a hit on a new reply")
+        assert "miss" in statuses and set(statuses[:-1]) <= {"miss", "bypass"}, statuses
         assert stored_replies(sentinel_group.replica) == before + 1
         assert "response cache store failed" in server.log()
         for secret in (MASTER_PASSWORD, quote(MASTER_PASSWORD, safe=""), SENTINEL_PASSWORD):
