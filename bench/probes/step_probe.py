@@ -1,15 +1,15 @@
-"""Where a decode step's and a prompt pass's time goes: products, attention, the rest, Python, sampling.
+"""Where a decode step's and a prompt pass's time goes: products, attention, the rest, sampling.
 
 `python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2]`
 loads the 0.5B dev model as a worker does and drives the runner its engine drives
 (service/engine/runners.py: the lean forward over the page pool):
-- decode: `rows` sequences of a ~40-token chat prompt each decode as one batch; the median wall
-  time of a step, then one profiled run that splits its time into the decoder layers (one
-  corechat::run_layers call for a quantized model: norms, products, rotary, attention,
-  activations), the output layer's product (corechat::quantized_linear at top level), the other
-  torch operators (embedding, rotary tables), and what is left: Python between the operators.
-  Sampling is timed apart (greedy and top-p over the step's logits, all rows in the engine's one
-  call, the median of several).
+- decode: `rows` sequences of a ~40-token chat prompt each decode as one batch. Whole steps take
+  turns with each part of a step timed alone, unprofiled (medians): the decoder layers (one
+  corechat::run_layers call), every layer's products (one corechat::run_products call), every
+  layer's attention, the output product; the layers' time around their products and attention and
+  the step's time outside the layers are the differences. Products are given in weights read per
+  second against the read bandwidth (bench.probes bandwidth, in the same command). Sampling is
+  timed apart (greedy and top-p over the step's logits, all rows in the engine's one call).
 - prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way;
   its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
   every chunk, on random keys at the same positions) to split the layers' time into attention and
@@ -29,10 +29,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench import save_results  # noqa: E402
+from bench.probes import run_probe  # noqa: E402
 from bench.probes.dev_model import load_dev_runner  # noqa: E402
+from service.engine.qwen2 import Rows, product  # noqa: E402
 from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
@@ -57,25 +60,73 @@ def split(events, wall_seconds: float, repeats: int) -> dict[str, float]:
     return parts
 
 
+def weight_bytes(linears) -> int:
+    """Return the bytes of quantized products' weights and scales."""
+    return sum(linear.qweight.numel() * linear.qweight.element_size() + linear.qscale.numel() * linear.qscale.element_size()
+               for linear in linears)
+
+
+def layer_linears(model) -> list:
+    """Return every decoder layer's products, q, k, v, o, gate, up, down, layer after layer."""
+    linears = []
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                    mlp.up_proj, mlp.down_proj]
+    return linears
+
+
 def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict:
-    """Time a batch's decode steps and split a profiled run of them."""
+    """Time a batch's decode steps, and each part of a step alone, unprofiled, in turns.
+
+    Each turn times a whole step (runner.decode), the decoder layers alone (one run_layers call on the
+    step's inputs), every layer's products alone (one run_products call: grouped as the layers group
+    them, on inputs rounded beforehand), every layer's
+    attention alone (paged_attention on the step's positions) and the output product alone. What the
+    layers spend around their products and attention (norms, rotary, rounding the inputs, SiLU,
+    residuals, the threads' fork and join per product) and what the step spends outside the layers
+    (embedding, rotary tables, final norm, the interpreter) are the differences.
+    """
+    lean = runner.lean
+    model, inner = lean.model, lean.model.model
+    layers, kv_heads, head_dim = lean.shape
+    heads, scaling = model.config.num_attention_heads, inner.layers[0].self_attn.scaling
+    linears = layer_linears(model)
+    times = {part: [] for part in ("step", "decoder layers", "products", "attention", "output product")}
     with torch.inference_mode():
-        kvs = [runner.reserve(len(prompt_ids) + 4 * steps + 8) for _ in range(rows)]
+        kvs = [runner.reserve(len(prompt_ids) + 2 * steps + 8) for _ in range(rows)]
         for kv in kvs:
             runner.prefill(kv, prompt_ids, 1)
         tokens = [100 + row for row in range(rows)]
         for _ in range(3):
             logits = runner.decode(kvs, tokens)
-        times = []
+        query = torch.randn(rows, heads, head_dim).bfloat16()
+        keys, values = torch.randn(rows, kv_heads, head_dim).bfloat16(), torch.randn(rows, kv_heads, head_dim).bfloat16()
         for _ in range(steps):
+            # The parts write keys and values at the next step's positions, which that step then overwrites.
+            positions = torch.tensor([kv.length for kv in kvs])
+            table_rows = Rows(runner._tables, torch.arange(rows), positions)
+            hidden = F.embedding(torch.tensor(tokens), inner.embed_tokens.weight)
+            cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            began = time.perf_counter()
+            last = torch.ops.corechat.run_layers(lean.registered, hidden, cos, sin, runner.pool.storage, table_rows.tables,
+                                                 table_rows.sequences, positions)
+            times["decoder layers"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            torch.ops.corechat.run_products(lean.registered, rows)
+            times["products"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            for layer in range(layers):
+                torch.ops.corechat.paged_attention(query, keys, values, runner.pool.storage, layer, table_rows.tables,
+                                                   table_rows.sequences, positions, scaling)
+            times["attention"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            product(model.lm_head, last)
+            times["output product"].append(time.perf_counter() - began)
             began = time.perf_counter()
             logits = runner.decode(kvs, tokens)
-            times.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as profiled:
-            for _ in range(steps):
-                runner.decode(kvs, tokens)
-        wall = time.perf_counter() - began
+            times["step"].append(time.perf_counter() - began)
         for kv in kvs:
             runner.release(kv)
     sampling = {}
@@ -88,8 +139,32 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
             sample_tokens(samplers, logits)
             samples.append(time.perf_counter() - began)
         sampling[name] = statistics.median(samples)
-    return {"rows": rows, "step_seconds": statistics.median(times), "parts": split(profiled.key_averages(), wall, steps),
-            "sampling_seconds": sampling}
+    seconds = {part: statistics.median(values) for part, values in times.items()}
+    parts = {"products": seconds["products"], "attention": seconds["attention"],
+             "around them": seconds["decoder layers"] - seconds["products"] - seconds["attention"],
+             "output product": seconds["output product"],
+             "outside the layers": seconds["step"] - seconds["decoder layers"] - seconds["output product"]}
+    return {"rows": rows, "step_seconds": seconds["step"], "seconds": seconds, "parts": parts,
+            "sampling_seconds": sampling, "layer_weight_bytes": weight_bytes(linears),
+            "output_weight_bytes": weight_bytes([model.lm_head])}
+
+
+def decode_line(run: dict, bandwidth: float) -> str:
+    """Return a decode run's table row."""
+    step, parts, sampling = run["step_seconds"], run["parts"], run["sampling_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f} ms ({seconds / step:.0%})"
+
+    def streamed(seconds: float, weight_bytes: int) -> str:
+        return f"{share(seconds)}, {weight_bytes / seconds / 1e9:.1f} GB/s ({weight_bytes / seconds / bandwidth:.2f})"
+
+    step_bytes = run["layer_weight_bytes"] + run["output_weight_bytes"]
+    return (f"| {run['dtype']} | {run['rows']} | {step * 1e3:.2f} ms, {step_bytes / step / 1e9:.1f} GB/s "
+            f"({step_bytes / step / bandwidth:.2f}) | {streamed(parts['products'], run['layer_weight_bytes'])} | "
+            f"{share(parts['attention'])} | {share(parts['around them'])} | "
+            f"{streamed(parts['output product'], run['output_weight_bytes'])} | {share(parts['outside the layers'])} | "
+            f"{sampling['greedy'] * 1e3:.2f} / {sampling['top-p 0.9'] * 1e3:.2f} ms |")
 
 
 def measure_prompt(runner, tokens: int, multiply_adds_per_token: int) -> dict:
@@ -155,27 +230,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    bandwidth = run_probe("bandwidth", "--threads", str(args.threads), "--megabytes", "1024")["bytes_per_second"]
     torch.set_num_threads(args.threads)
-    results = {"threads": args.threads, "decode": [], "prompt": []}
+    results = {"threads": args.threads, "read_bytes_per_second": bandwidth, "decode": [], "prompt": []}
     part_names = list(PARTS) + ["other operators", "python"]
     prompt_names = ["decoder layers", "attention (replayed)", *part_names[1:]]
-    decode_lines = ["| DTYPE | rows | step | " + " | ".join(part_names) + " | sampling (greedy / top-p), all rows |",
-                    "|---|---|---|" + "---|" * len(part_names) + "---|"]
+    decode_lines = ["| DTYPE | rows | step | products | attention | around them | output product | outside the layers "
+                    "| sampling (greedy / top-p), all rows |", "|---|---|---|---|---|---|---|---|---|"]
     prompt_lines = ["| DTYPE | prompt tokens | pass | " + " | ".join(prompt_names) + " | products, G multiply-adds/s |",
                     "|---|---|---|" + "---|" * len(prompt_names) + "---|"]
     for dtype in args.dtypes:
         runner, tokenizer = load_dev_runner(dtype)
+        if runner.lean.registered is None:
+            raise SystemExit(f"DTYPE={dtype} does not run the fused layers; the step probe splits int8 and int4 steps")
         prompt_ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
         if not isinstance(prompt_ids, list):
             prompt_ids = prompt_ids["input_ids"]
         for rows in args.rows:
             run = {"dtype": dtype, **measure_decode(runner, prompt_ids, rows, args.steps)}
             results["decode"].append(run)
-            step = run["step_seconds"]
-            parts = " | ".join(f"{run['parts'][name] * 1e3:.1f} ms ({run['parts'][name] / step:.0%})" for name in part_names)
-            sampling = run["sampling_seconds"]
-            decode_lines.append(f"| {dtype} | {rows} | {step * 1e3:.1f} ms | {parts} | "
-                                f"{sampling['greedy'] * 1e3:.2f} / {sampling['top-p 0.9'] * 1e3:.2f} ms |")
+            decode_lines.append(decode_line(run, bandwidth))
         for tokens in args.prompts:
             run = {"dtype": dtype, **measure_prompt(runner, tokens, layer_multiply_adds(runner))}
             results["prompt"].append(run)
@@ -185,8 +259,13 @@ def main() -> None:
                                 f"{run['product_multiply_adds_per_second'] / 1e9:.0f} |")
         del runner
     table = "\n".join([
-        f"Qwen2.5-0.5B-shaped dev model, {args.threads} thread(s).", "", "### Decode step (~40-token context)", "",
-        *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
+        f"Qwen2.5-0.5B-shaped dev model, {args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"(summing 1 GB on as many threads).", "", "### Decode step (~40-token context)", "",
+        "Each part timed alone, unprofiled, in turns with whole steps (medians); products and the output product "
+        "with the weights they read per second as a fraction of the read bandwidth, the step with every weight's "
+        "bytes. Around them: what the decoder layers spend besides their products and attention (norms, rotary, "
+        "rounding inputs, SiLU, residuals, each product's fork and join). Outside the layers: embedding, rotary "
+        "tables, final norm, the interpreter.", "", *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
         "= the layers less the attention, norms and rotary included)", "", *prompt_lines, ""])
     save_results("step", results, table)
 

@@ -184,3 +184,27 @@ def test_fused_operators_refuse_mismatched_arguments():
         torch.ops.corechat.rms_norm(hidden, layer.norms[0][:64], EPS)
     with pytest.raises(RuntimeError, match="contiguous bfloat16 matrix"):
         torch.ops.corechat.rms_norm(hidden.float(), layer.norms[0], EPS)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+def test_run_products_runs_every_registered_product_and_refuses_what_it_cannot(fmt):
+    """The step probe's products-only pass: every layer's products at their shapes (each product checks
+    its input's width against its weights), and its own checks."""
+    layers = [Layer(fmt, width=128, intermediate=256, seed=seed) for seed in (7, 8)]
+    norms, epsilons, weights, scales, biases, outputs = [], [], [], [], [], []
+    for layer in layers:
+        norms += layer.norms
+        epsilons += [EPS, EPS]
+        for weight, scale, bias in layer.products:
+            weights.append(weight)
+            scales.append(scale)
+            biases.append(bias)
+        outputs += layer.outputs
+    model = torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fmt.code, HEAD_DIM,
+                                               HEAD_DIM ** -0.5)
+    for rows in (1, 5):
+        assert torch.ops.corechat.run_products(model, rows) is None
+    with pytest.raises(RuntimeError, match="rows must be above 0"):
+        torch.ops.corechat.run_products(model, 0)
+    with pytest.raises(RuntimeError, match="no registered layers"):
+        torch.ops.corechat.run_products(model + 1000, 1)

@@ -14,6 +14,7 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
@@ -276,6 +277,37 @@ at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor&
     return states;
 }
 
+// Only the products of every registered layer, grouped as run_layers groups them (q/k/v, o,
+// gate/up, down), on inputs of `rows` rows rounded once before: what the step probe
+// (bench/probes/step_probe.py) times to split a step's layers into their products and the rest.
+void run_products(int64_t model, int64_t rows) {
+    std::shared_ptr<const RegisteredLayers> layers;
+    {
+        std::lock_guard<std::mutex> hold(registry_mutex);
+        TORCH_CHECK(model >= 0 && model < static_cast<int64_t>(registry.size()), "no registered layers ", model);
+        layers = registry[model];
+    }
+    TORCH_CHECK(rows > 0, "rows must be above 0");
+    const LayerArguments& first = layers->layers.front();
+    // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
+    const auto input_of = [&](const at::Tensor& weight) {
+        return quantize_input(at::ones({rows, weight.size(1) * (layers->format == kInt8Rows ? 1 : 2)},
+                                       first.attention_norm.options()));
+    };
+    const QuantizedInput narrow = input_of(first.attention_weights[0]), attended = input_of(first.mlp_weights[0]),
+                         wide = input_of(first.mlp_weights[3]);
+    for (const LayerArguments& layer : layers->layers) {
+        const Products before(layer.attention_weights, layer.attention_scales, layer.attention_biases,
+                              layer.attention_outputs, layers->format, kAttentionProducts, "run_products");
+        const Products after(layer.mlp_weights, layer.mlp_scales, layer.mlp_biases, layer.mlp_outputs, layers->format,
+                             kMlpProducts, "run_products");
+        before.apply({0, 1, 2}, narrow);
+        after.apply({0}, attended);
+        after.apply({1, 2}, narrow);
+        after.apply({3}, wide);
+    }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(corechat, m) {
@@ -289,6 +321,7 @@ TORCH_LIBRARY_FRAGMENT(corechat, m) {
           "int[] outputs, int format, int head_dim, float scaling) -> int", register_layers);
     m.def("run_layers(int model, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor tables, "
           "Tensor row_sequences, Tensor positions) -> Tensor", run_layers);
+    m.def("run_products(int model, int rows) -> ()", run_products);
 }
 
 }  // namespace corechat
