@@ -282,8 +282,9 @@ class LlamaServer:
 
     def start(self, timeout: float = 300) -> "LlamaServer":
         """Start llama-server and wait until it serves."""
+        # In the log's folder, as ik_llama.cpp's server writes a llama.log of its own into its working folder.
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_path.parent)
         try:
             wait_healthy(self.url, self.process, timeout)
         except (RuntimeError, TimeoutError) as exc:
