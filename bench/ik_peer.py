@@ -1,7 +1,7 @@
 """ik_llama.cpp (the CPU-tuned llama.cpp fork) as the benchmark's peer: built from a clone, fed the
 same model folder as llama.cpp.
 
-    python -m bench.peer build --peer ik_llama.cpp --source CLONE    # a work tree or a git dir (~10 min, cached)
+    python -m bench.peer build --peer ik_llama.cpp --source CLONE    # a work tree or a git dir (~8 min, cached)
     python -m bench.peer convert MODEL_DIR --peer ik_llama.cpp      # q8_0 and q4_0 with ik's llama-quantize
 
 The build is of the clone's HEAD commit, unpacked with `git archive` (uncommitted changes are not
@@ -161,7 +161,7 @@ def build(source: Path | None = None, root: Path = PEER_DIR) -> Toolchain:
         if not toolchain.source.is_dir():
             progress(f"unpacking {NAME} {commit[:12]} from {source}")
             unpack(source, commit, toolchain.source)
-        progress(f"building {NAME} {commit[:12]} in {toolchain.build} (about 10 minutes on two cores)")
+        progress(f"building {NAME} {commit[:12]} in {toolchain.build} (about 8 minutes on two cores)")
         build_targets(toolchain, CMAKE_OPTIONS)
     return toolchain
 

@@ -3,7 +3,7 @@ source and fed the same model folder.
 
     python -m bench.peer build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
     python -m bench.peer convert MODEL_DIR      # MODEL_DIR as bf16, q8_0 and q4_0 GGUF files (cached)
-    python -m bench.peer build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~10 min, cached)
+    python -m bench.peer build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~8 min, cached)
     python -m bench.peer convert MODEL_DIR --peer ik_llama.cpp      # llama.cpp's bf16, quantized by the fork
 
 `bench/run.py --peer` calls both for llama.cpp, then starts llama-server beside corechat;
