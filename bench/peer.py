@@ -1,11 +1,16 @@
-"""llama.cpp's llama-server as the benchmark's peer: built from source, fed the same model folder.
+"""The benchmark's peer: llama.cpp's llama-server, or ik_llama.cpp's (bench/ik_peer.py), built from
+source and fed the same model folder.
 
     python -m bench.peer build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
-    python -m bench.peer convert MODEL_DIR      # MODEL_DIR as f16, q8_0 and q4_0 GGUF files (cached)
+    python -m bench.peer convert MODEL_DIR      # MODEL_DIR as bf16, q8_0 and q4_0 GGUF files (cached)
+    python -m bench.peer build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~8 min, cached)
+    python -m bench.peer convert MODEL_DIR --peer ik_llama.cpp      # llama.cpp's bf16, quantized by the fork
 
-`bench/run.py --peer` calls both, then starts llama-server beside corechat. Nothing of llama.cpp is
-part of the repository: the sources come from the llama-cpp-python sdist on PyPI (which vendors
-llama.cpp), and the binaries and GGUF files live under ~/.cache/corechat/peer/.
+`bench/run.py --peer` calls both for llama.cpp, then starts llama-server beside corechat;
+`bench/versus.py --peer ik_llama.cpp` runs the fork's latest build instead. Nothing of either is part of
+the repository: llama.cpp's sources come from the llama-cpp-python sdist on PyPI (which vendors
+llama.cpp), the fork's from a clone of https://github.com/ikawrakow/ik_llama.cpp, and the binaries and
+GGUF files live under ~/.cache/corechat/peer/.
 """
 
 import argparse
@@ -31,6 +36,8 @@ PEER_DIR = Path.home() / ".cache" / "corechat" / "peer"
 BUILD_TARGETS = ("llama-server", "llama-quantize")
 # What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight.
 QUANTIZATIONS = ("q8_0", "q4_0")
+# The servers the benchmark compares corechat with: llama.cpp, and the fork tuned for CPUs (bench/ik_peer.py).
+PEERS = ("llama.cpp", "ik_llama.cpp")
 # Only what the two targets need: no tests, examples, web UI download, HTTPS or shared libraries.
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -42,6 +49,8 @@ CMAKE_OPTIONS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+# llama-server's own flags beyond the shared ones (a fork whose server takes other flags names its own).
+SERVER_OPTIONS = ("--no-webui",)
 # The instruction sets a build may use: all this CPU has, or AVX2 at most (what an AVX2-only CPU
 # runs, to compare corechat's AVX2 path on a CPU that also has AVX-512).
 ISA_OPTIONS = {
@@ -76,10 +85,11 @@ def exclusive(lock_path: Path):
 
 @dataclass(frozen=True)
 class Toolchain:
-    """A built llama.cpp: its source tree (for the converter) and the two binaries."""
+    """A built llama.cpp or fork: its source tree (for the converter), its two binaries and how its server runs."""
 
     source: Path
     build: Path
+    server_options: tuple[str, ...] = SERVER_OPTIONS
 
     @property
     def server(self) -> Path:
@@ -111,9 +121,7 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: s
     with exclusive(root / "build.lock"):
         if toolchain.built:
             return toolchain
-        missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-        if missing:
-            raise RuntimeError(f"building llama.cpp needs {' and '.join(missing)}: apt-get install cmake g++")
+        require_build_tools()
         if not toolchain.source.is_dir():
             progress(f"downloading the llama-cpp-python {version} sdist from PyPI")
             downloads = root / "downloads"
@@ -122,13 +130,24 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: s
             with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
                 sdist.extractall(root, filter="data")
         progress(f"building {', '.join(BUILD_TARGETS)} in {toolchain.build} (about 10 minutes on two cores)")
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *CMAKE_OPTIONS,
-                        *ISA_OPTIONS[isa]],
-                       check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
-                        "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
+        build_targets(toolchain, (*CMAKE_OPTIONS, *ISA_OPTIONS[isa]))
     return toolchain
+
+
+def require_build_tools() -> None:
+    """Fail before any download or unpacking when the compilers are missing."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise RuntimeError(f"building llama.cpp needs {' and '.join(missing)}: apt-get install cmake g++")
+
+
+def build_targets(toolchain: Toolchain, cmake_options: tuple[str, ...]) -> None:
+    """Configure a source tree and build BUILD_TARGETS alone, on every core."""
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *cmake_options],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
+                    "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
 
 
 def run_tool(command: list[str], **options) -> None:
@@ -188,13 +207,44 @@ def convert(toolchain: Toolchain, model_dir: Path, version: str = LLAMA_CPP_PYTH
     return files
 
 
-def server_command(server: Path, model: Path, *, port: int, threads: int, slots: int, context_per_slot: int) -> list[str]:
+@dataclass(frozen=True)
+class Peer:
+    """A peer ready to serve: its name in the tables, what was built, its build and its GGUF files by quantization."""
+
+    name: str
+    version: str
+    toolchain: Toolchain
+    files: dict[str, Path]
+
+
+def prepare(name: str = "llama.cpp", model_dir: Path | None = None, *, isa: str = "native",
+            source: Path | None = None) -> Peer:
+    """Build the named peer (cached) and, given a model folder, its GGUF files of it (cached).
+
+    ik_llama.cpp builds from `source`, a clone, or else is its latest build on this CPU; its files
+    are quantized from llama.cpp's bf16 conversion, so llama.cpp is built too.
+    """
+    if name == "ik_llama.cpp":
+        from bench import ik_peer  # it builds on this module's helpers
+
+        if isa != "native":
+            raise ValueError("ik_llama.cpp is built for this CPU's own instruction sets only")
+        toolchain = ik_peer.build(source)
+        files = ik_peer.quantize(toolchain, convert(build(), model_dir)["bf16"]) if model_dir else {}
+        return Peer(name, ik_peer.version_of(toolchain), toolchain, files)
+    toolchain = build(isa=isa)
+    return Peer(name, f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}", toolchain,
+                convert(toolchain, model_dir) if model_dir else {})
+
+
+def server_command(server: Path, model: Path, *, port: int, threads: int, slots: int, context_per_slot: int,
+                   options: tuple[str, ...] = SERVER_OPTIONS) -> list[str]:
     """Return llama-server's command line: corechat's threads and parallel sequences, each with corechat's context."""
     return [
         str(server), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(threads), "--threads-batch", str(threads),
         "--parallel", str(slots), "--ctx-size", str(slots * context_per_slot),
-        "--no-webui",
+        *options,
     ]
 
 
@@ -225,15 +275,16 @@ class LlamaServer:
     def __init__(self, toolchain: Toolchain, model: Path, log_dir: Path, *, port: int, threads: int, slots: int,
                  context_per_slot: int):
         self.command = server_command(toolchain.server, model, port=port, threads=threads, slots=slots,
-                                      context_per_slot=context_per_slot)
+                                      context_per_slot=context_per_slot, options=toolchain.server_options)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"llama-server-{port}.log"
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300) -> "LlamaServer":
         """Start llama-server and wait until it serves."""
+        # In the log's folder, as ik_llama.cpp's server writes a llama.log of its own into its working folder.
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_path.parent)
         try:
             wait_healthy(self.url, self.process, timeout)
         except (RuntimeError, TimeoutError) as exc:
@@ -257,20 +308,26 @@ class LlamaServer:
 
 
 def main() -> None:
-    """Build llama.cpp's tools, or convert a model folder with them."""
+    """Build a peer's tools, or convert a model folder with them."""
     parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     building = commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
     building.add_argument("--isa", choices=sorted(ISA_OPTIONS), default="native",
-                          help="avx2: at most AVX2, as on an AVX2-only CPU")
+                          help="avx2: at most AVX2, as on an AVX2-only CPU (llama.cpp only)")
+    building.add_argument("--source", type=Path,
+                          help="ik_llama.cpp: a clone (work tree or git dir) whose HEAD to build")
     converting = commands.add_parser("convert", help="convert a model folder to GGUF (cached)")
     converting.add_argument("model_dir", type=Path)
+    for command in (building, converting):
+        command.add_argument("--peer", choices=PEERS, default=PEERS[0], help="which server (default llama.cpp)")
     args = parser.parse_args()
-    toolchain = build(isa=getattr(args, "isa", "native"))
+    peer = prepare(args.peer, getattr(args, "model_dir", None), isa=getattr(args, "isa", "native"),
+                   source=getattr(args, "source", None))
     if args.command == "build":
-        print(json.dumps({"server": str(toolchain.server), "quantize": str(toolchain.quantize)}))
+        print(json.dumps({"version": peer.version, "server": str(peer.toolchain.server),
+                          "quantize": str(peer.toolchain.quantize)}))
     else:
-        print(json.dumps({name: str(path) for name, path in convert(toolchain, args.model_dir).items()}))
+        print(json.dumps({name: str(path) for name, path in peer.files.items()}))
 
 
 if __name__ == "__main__":

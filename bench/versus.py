@@ -1,10 +1,11 @@
-"""corechat beside llama.cpp's llama-server, servers alternating over rounds: decode, throughput, long
-prompts, conversations.
+"""corechat beside llama.cpp's llama-server (or ik_llama.cpp's), servers alternating over rounds: decode,
+throughput, long prompts, conversations.
 
     python bench/versus.py                 # 3 rounds on the Qwen2.5-0.5B-shaped dev model (about 15 min a round)
     python bench/versus.py --rounds 5 --formats int8
     python bench/versus.py --quick         # the tiny model, one round, short scenarios: checks that it all runs
     python bench/versus.py --isa avx2 --no-conversations   # both servers on AVX2 at most (an AVX2-only CPU's work)
+    python bench/versus.py --peer ik_llama.cpp   # beside the CPU-tuned fork (built first: bench/ik_peer.py)
 
 `python bench/run.py --peer` runs it after its own scenarios. Each round starts every server in turn
 (corechat DTYPE=int8 in its default shape, llama-server q8_0, corechat int4, llama-server q4_0; the
@@ -21,7 +22,9 @@ worker per core), the same client (harness/client.py's streaming client) and the
   process as llama-server is: bench/conversations.py's scenarios).
 --no-conversations leaves out the two conversation scenarios. --isa avx2 runs corechat with
 KERNEL_PATH=avx2 and a llama.cpp built for AVX2 at most (bench/peer.py), so an AVX-512 CPU compares
-what an AVX2-only CPU runs. The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
+what an AVX2-only CPU runs. --peer ik_llama.cpp runs the fork's latest build on this CPU (or builds
+--peer-source, a clone) with its own q8_0 and q4_0 files, repacked at load (-rtr); the tables
+and the results name the peer and its commit. The machine is probed first, in the same command: its read bandwidth (a decode step's bound) and
 each kernel path's peak multiply-add rate. Results go to bench/results/<machine>/<name>.json and
 .md with the CPU, its kernel paths, the date and the commit.
 """
@@ -39,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import CACHE_DIR, progress, save_results, start_corechat  # noqa: E402
 from bench.conversations import SENTENCE, Sizes, multi_turn, short_behind_long  # noqa: E402
+from bench.peer import PEERS, LlamaServer, Toolchain, prepare, shown_command  # noqa: E402
 from bench.probes import run_probe  # noqa: E402
 from bench.weights import weight_bytes_per_token  # noqa: E402
 from harness import concurrent_streams, free_port, memory_of, processes_of, stream_chat  # noqa: E402
@@ -104,11 +108,9 @@ def with_corechat(scratch: Path, model_dir: Path, measure_server, **settings) ->
         server.stop()
 
 
-def with_peer(scratch: Path, peer_model: Path, measure_server, slots: int, isa: str = "native") -> dict:
-    """Start llama-server (the same threads, `slots` sequences of CONTEXT_TOKENS), measure, stop."""
-    from bench.peer import LlamaServer, toolchain_for
-
-    server = LlamaServer(toolchain_for(isa=isa), peer_model, scratch, port=free_port(), threads=physical_cores(), slots=slots,
+def with_peer(scratch: Path, toolchain: Toolchain, peer_model: Path, measure_server, slots: int) -> dict:
+    """Start the peer's llama-server (the same threads, `slots` sequences of CONTEXT_TOKENS), measure, stop."""
+    server = LlamaServer(toolchain, peer_model, scratch, port=free_port(), threads=physical_cores(), slots=slots,
                          context_per_slot=CONTEXT_TOKENS)
     server.start()
     try:
@@ -133,15 +135,16 @@ def probe_machine(quick: bool) -> dict:
             "peak_multiply_adds_per_second": json.loads(peaks.strip().splitlines()[-1])}
 
 
-def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conversations: bool = True) -> dict:
-    """Probe the machine, then run the rounds (both servers on `isa`: native or avx2); return every round's figures."""
-    from bench.peer import build, convert
+def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conversations: bool = True,
+        peer_name: str = "llama.cpp", peer_source: Path | None = None) -> dict:
+    """Probe the machine, then run the rounds beside the named peer (both servers on `isa`: native or avx2;
+    ik_llama.cpp built from `peer_source` or its latest build); return every round's figures."""
     from devtools.devmodel import build_dev_model
 
     preset = "tiny" if quick else "qwen2.5-0.5b"
     model_dir = CACHE_DIR / ("test-tiny" if quick else f"bench-{preset}")
     build_dev_model(model_dir, preset)
-    peer_models = convert(build(isa=isa), model_dir)
+    peer = prepare(peer_name, model_dir, isa=isa, source=peer_source)
     kernel = {} if isa == "native" else {"kernel_path": isa}
     sizes = Sizes(quick)
     reply_tokens = 8 if quick else REPLY_TOKENS
@@ -149,6 +152,8 @@ def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conve
     slots = Settings.model_fields["max_running"].default
     progress("machine: read bandwidth and peak multiply-add rates")
     results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats, "isa": isa,
+               "peer": {"name": peer.name, "version": peer.version,
+                        "options": shown_command(list(peer.toolchain.server_options))},
                "weight_bytes_per_token": {fmt: weight_bytes_per_token(model_dir, fmt)["bytes_per_token"] for fmt in formats},
                "sizes": {"reply_tokens": reply_tokens, "stream_counts": list(STREAM_COUNTS), "slots": slots,
                          "conversations": vars(sizes)}}
@@ -161,9 +166,9 @@ def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conve
                 servers = [("corechat", lambda: with_corechat(
                                scratch, model_dir, lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts),
                                dtype=fmt, **kernel)),
-                           ("llama.cpp", lambda: with_peer(
-                               scratch, peer_models[PEER_QUANTIZATION[fmt]],
-                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts), slots, isa))]
+                           (peer.name, lambda: with_peer(
+                               scratch, peer.toolchain, peer.files[PEER_QUANTIZATION[fmt]],
+                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts), slots))]
                 for name, start in servers if number % 2 == 0 else reversed(servers):
                     progress(f"round {number + 1} of {rounds}: {name} {fmt}")
                     figures[f"{name} {fmt}"] = start()
@@ -172,8 +177,9 @@ def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conve
                 behind = [("corechat one worker", lambda: with_corechat(
                               scratch, model_dir, lambda url, _: short_behind_long(url, sizes), dtype="int8", workers=1,
                               **kernel)),
-                          ("llama.cpp one process", lambda: with_peer(
-                              scratch, peer_models["q8_0"], lambda url, _: short_behind_long(url, sizes), slots, isa))]
+                          (f"{peer.name} one process", lambda: with_peer(
+                              scratch, peer.toolchain, peer.files["q8_0"], lambda url, _: short_behind_long(url, sizes),
+                              slots))]
                 for name, start in behind if number % 2 == 0 else reversed(behind):
                     figures[name] = {"short_behind_long": start()}
             results["rounds"].append(figures)
@@ -209,20 +215,25 @@ def value_of(figures: dict, key: str) -> float:
 def render(name: str, results: dict) -> str:
     """Return the markdown tables of a run."""
     rounds, probes = results["rounds"], results["machine_probes"]
+    # Results written before a second peer existed name none: theirs was llama.cpp.
+    peer = results.get("peer", {}).get("name", "llama.cpp")
     peaks = ", ".join(f"{path} {value / 1e9:.0f} G/s" for path, value in probes["peak_multiply_adds_per_second"].items())
     lines = [f"# {name}", "",
-             f"{len(rounds)} rounds, servers alternating; medians (range over rounds); corechat / llama.cpp per round. "
+             f"{len(rounds)} rounds, servers alternating; medians (range over rounds); corechat / {peer} per round. "
              f"Read bandwidth {probes['read_bytes_per_second'] / 1e9:.1f} GB/s on {probes['threads']} threads; "
              f"peak multiply-adds per path on as many threads: {peaks}."
              + (f" Both servers on {results['isa']} at most (corechat KERNEL_PATH={results['isa']})."
-                if results.get("isa", "native") != "native" else ""), ""]
+                if results.get("isa", "native") != "native" else "")
+             + (f" {peer}: {results['peer']['version']}, served with {results['peer']['options']}."
+                if "peer" in results else ""), ""]
     for fmt in results["formats"]:
-        peer = PEER_QUANTIZATION[fmt]
-        lines += [f"## corechat {fmt} vs llama.cpp {peer}", "",
-                  f"| measurement | corechat {fmt} | llama.cpp {peer} | corechat / llama.cpp, per round |", "|---|---|---|---|"]
+        quantization = PEER_QUANTIZATION[fmt]
+        lines += [f"## corechat {fmt} vs {peer} {quantization}", "",
+                  f"| measurement | corechat {fmt} | {peer} {quantization} | corechat / {peer}, per round |",
+                  "|---|---|---|---|"]
         for label, key, unit, digits, _ in METRICS:
             mine = [value_of(figures[f"corechat {fmt}"], key) for figures in rounds]
-            theirs = [value_of(figures[f"llama.cpp {fmt}"], key) for figures in rounds]
+            theirs = [value_of(figures[f"{peer} {fmt}"], key) for figures in rounds]
             ratios = ", ".join(f"{a / b:.2f}x" if b else "-" for a, b in zip(mine, theirs, strict=True))
             lines.append(f"| {label} ({unit}) | {spread(mine, digits)} | {spread(theirs, digits)} | {ratios} |")
         bound = probes["read_bytes_per_second"] / results["weight_bytes_per_token"][fmt]
@@ -230,7 +241,7 @@ def render(name: str, results: dict) -> str:
         lines += ["", f"corechat {fmt}'s one-stream decode reads {statistics.median(decode) / bound:.2f} of the read "
                   f"bandwidth (median; a step reads {results['weight_bytes_per_token'][fmt] / 1e9:.3f} GB of weights: "
                   f"{bound:.0f} tokens/s at the bandwidth)."]
-        tokens = {figures[f"{server} {fmt}"]["short_prompt_tokens"] for figures in rounds for server in ("corechat", "llama.cpp")}
+        tokens = {figures[f"{server} {fmt}"]["short_prompt_tokens"] for figures in rounds for server in ("corechat", peer)}
         lines += ["", f"Both made {tokens.pop()} prompt tokens of the short chat: the same template and tokenizer."
                   if len(tokens) == 1 else f"**The prompts differ** ({sorted(tokens)} tokens of the short chat): the "
                   "servers did not run the same work.", ""]
@@ -240,7 +251,7 @@ def render(name: str, results: dict) -> str:
                   f"{results['sizes']['conversations']['sessions']} sessions x {turns} turns, int8 vs q8_0 (seconds)", "",
                   "| server | " + " | ".join(f"turn {turn + 1}" for turn in range(turns)) + " | wall | reuse |",
                   "|---|" + "---|" * (turns + 2)]
-        for server in ("corechat int8", "llama.cpp int8"):
+        for server in ("corechat int8", f"{peer} int8"):
             runs = [figures[server]["multi_turn"] for figures in rounds]
             cells = [spread([run["first_token_seconds_by_turn"][turn] for run in runs]) for turn in range(turns)]
             reuse = statistics.median(run["reuse_of_previous_turn"] for run in runs)
@@ -248,16 +259,16 @@ def render(name: str, results: dict) -> str:
                          f"{reuse:.0%} |")
         later, wall = [], []
         for figures in rounds:
-            mine, theirs = figures["corechat int8"]["multi_turn"], figures["llama.cpp int8"]["multi_turn"]
+            mine, theirs = figures["corechat int8"]["multi_turn"], figures[f"{peer} int8"]["multi_turn"]
             later.append(statistics.median(mine["first_token_seconds_by_turn"][1:])
                          / statistics.median(theirs["first_token_seconds_by_turn"][1:]))
             wall.append(mine["wall_seconds"] / theirs["wall_seconds"])
-        lines += ["", "corechat / llama.cpp per round: turns 2+ median first token "
+        lines += ["", f"corechat / {peer} per round: turns 2+ median first token "
                   + ", ".join(f"{value:.2f}x" for value in later) + "; wall " + ", ".join(f"{value:.2f}x" for value in wall)]
     if "corechat one worker" in rounds[0]:
         lines += ["", "## A one-line question 0.5 s behind a long document, one process each (first token, seconds)", "",
                   "| server | document alone | question behind it | document behind itself |", "|---|---|---|---|"]
-        for server in ("corechat one worker", "llama.cpp one process"):
+        for server in ("corechat one worker", f"{peer} one process"):
             runs = [figures[server]["short_behind_long"] for figures in rounds]
             lines.append(f"| {server} ({runs[0]['long_prompt_tokens']} tokens) | "
                          f"{spread([run['long_alone_first_token_seconds'] for run in runs])} | "
@@ -278,11 +289,19 @@ def main() -> None:
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="avx2: both servers on AVX2 at most, as on an AVX2-only CPU")
     parser.add_argument("--no-conversations", action="store_true", help="leave out the conversation scenarios")
-    parser.add_argument("--name", help="results file name (default: versus, or versus-quick)")
+    parser.add_argument("--peer", choices=PEERS, default=PEERS[0], help="the server beside corechat (default llama.cpp)")
+    parser.add_argument("--peer-source", type=Path,
+                        help="ik_llama.cpp: a clone (work tree or git dir) to build; default: its latest build here")
+    parser.add_argument("--name", help="results file name (default: versus[-PEER][-quick], PEER unless llama.cpp)")
     parser.add_argument("--results-dir", type=Path, help="default: bench/results/<this machine>/")
     args = parser.parse_args()
-    name = args.name or ("versus-quick" if args.quick else "versus")
-    results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick, args.isa, not args.no_conversations)
+    if args.peer != "llama.cpp" and args.isa != "native":
+        parser.error(f"--isa {args.isa} runs llama.cpp only")
+    # A run beside another peer does not overwrite llama.cpp's results of the same name.
+    name = args.name or "-".join(["versus", *([args.peer] if args.peer != "llama.cpp" else []),
+                                  *(["quick"] if args.quick else [])])
+    results = run(args.rounds or (1 if args.quick else 3), args.formats, args.quick, args.isa, not args.no_conversations,
+                  args.peer, args.peer_source)
     written = save_results(name, results, render(name, results), args.results_dir)
     progress(f"wrote {written}.json and .md")
 

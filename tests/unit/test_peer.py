@@ -113,3 +113,19 @@ def test_the_table_gives_medians_over_rounds_and_each_rounds_ratio_to_llama_cpp(
     assert "reads 0.62 of the read bandwidth" in table  # 50 tokens/s of 80 at 40 GB/s and 0.5 GB a token
     rounds[1]["llama.cpp int8"]["short_prompt_tokens"] = 40
     assert "**The prompts differ** ([40, 41] tokens" in render("test", results)
+
+
+def test_the_table_names_the_peer_that_ran():
+    """A run beside ik_llama.cpp titles its sections, columns and ratios with it and says what was built."""
+    rounds = [{"corechat int8": figures(50.0, 1.0, 1_200_000_000, 41),
+               "ik_llama.cpp int8": figures(40.0, 2.0, 800_000_000, 41)}]
+    results = {"formats": ["int8"], "rounds": rounds, "sizes": {}, "weight_bytes_per_token": {"int8": 0.5e9},
+               "peer": {"name": "ik_llama.cpp", "version": "8337e4cd3861", "options": "--webui none --jinja -rtr"},
+               "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
+                                  "peak_multiply_adds_per_second": {"avx2": 2e11}}}
+    table = render("test", results)
+    assert "## corechat int8 vs ik_llama.cpp q8_0" in table
+    assert "| measurement | corechat int8 | ik_llama.cpp q8_0 | corechat / ik_llama.cpp, per round |" in table
+    assert "| decode, one stream (tok/s) | 50.0 | 40.0 | 1.25x |" in table
+    assert "ik_llama.cpp: 8337e4cd3861, served with --webui none --jinja -rtr." in table
+    assert " llama.cpp q8_0" not in table.replace("ik_llama.cpp", "")
