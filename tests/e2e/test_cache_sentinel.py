@@ -155,7 +155,7 @@ def test_killing_the_master_mid_load_fails_no_request_and_hits_resume_on_the_pro
         before = stored_replies(sentinel_group.replica)
         fresh = {**repeated, "messages": [{"role": "user", "content": "Asked after the failover."}]}
         statuses: list[str] = []
-        wait_for(lambda: statuses.append(cached(server.url, fresh)) or statuses[-1] == "hit", 30, "a hit on a new reply")
+        wait_for(lambda: statuses.append(cached(server.url, fresh)) or statuses[-1] == "hit", 30, "a new reply's hit")
         assert "miss" in statuses and set(statuses[:-1]) <= {"miss", "bypass"}, statuses
         assert stored_replies(sentinel_group.replica) == before + 1
         assert "response cache store failed" in server.log()
