@@ -1,6 +1,6 @@
 """Where a decode step's and a prompt pass's time goes: products, attention, the rest, sampling.
 
-`python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2]`
+`python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2] [--server]`
 loads the 0.5B dev model as a worker does and drives the runner its engine drives
 (service/engine/runners.py: the lean forward over the page pool):
 - decode: `rows` sequences of a ~40-token chat prompt each decode as one batch. Whole steps take
@@ -10,19 +10,25 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
   the step's time outside the layers are the differences. Products are given in weights read per
   second against the read bandwidth (bench.probes bandwidth, in the same command). Sampling is
   timed apart (greedy and top-p over the step's logits, all rows in the engine's one call).
-- prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled the same way;
+- prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled;
   its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
   every chunk, on random keys at the same positions) to split the layers' time into attention and
   the rest (products, norms, rotary), whose multiply-adds per second the table gives.
+- with --server: Gunicorn with one worker on the same threads serves lone streams in turns with
+  runs of the same steps in this process: what serving adds per token, and how much of it the
+  engine spends inside its steps outside the forward (its decode_overhead_fraction).
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
 its neighbours' cores). It prints a table and writes bench/results/<machine>/step.json and .md with the CPU,
 date and commit.
 """
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,6 +155,54 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
             "output_weight_bytes": weight_bytes([model.lm_head])}
 
 
+def lone_steps(runner, prompt_ids: list[int], steps: int) -> float:
+    """Return the median seconds of one sequence's decode steps, as the step table times them."""
+    with torch.inference_mode():
+        kv = runner.reserve(len(prompt_ids) + steps + 8)
+        runner.prefill(kv, prompt_ids, 1)
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            runner.decode([kv], [100])
+            times.append(time.perf_counter() - began)
+        runner.release(kv)
+    return statistics.median(times)
+
+
+def measure_server(runner, prompt_ids: list[int], dtype: str, threads: int, rounds: int) -> dict:
+    """Time a lone stream's decode through Gunicorn (one worker on `threads` threads) in turns with
+    the same steps in this process: what serving adds to a step (sampling, text, delivery, HTTP, the
+    client), and the part of it the engine counts inside its steps (decode_overhead_fraction)."""
+    from bench import start_corechat
+    from bench.probes.dev_model import DEV_MODEL_DIR
+    from bench.versus import REPLY_TOKENS, short
+    from harness import stream_chat
+
+    steps, tokens = [], []
+    with tempfile.TemporaryDirectory(prefix="corechat-step-") as scratch:
+        server, _ = start_corechat(Path(scratch), DEV_MODEL_DIR, "", dtype=dtype, workers=1, torch_threads=threads)
+        try:
+            stream_chat(server.url, short("warm"), 8)
+            for number in range(rounds):
+                steps.append(lone_steps(runner, prompt_ids, 48))
+                tokens += [1 / stream_chat(server.url, short(f"step probe {number} {index}"),
+                                           REPLY_TOKENS).decode_tokens_per_second for index in range(2)]
+            with urllib.request.urlopen(f"{server.url}/readyz", timeout=10) as response:
+                overhead = json.load(response)["decode_overhead_fraction"]
+        finally:
+            server.stop()
+    return {"dtype": dtype, "rounds": rounds, "reply_tokens": REPLY_TOKENS, "step_seconds": statistics.median(steps),
+            "server_token_seconds": statistics.median(tokens), "engine_overhead_fraction": overhead}
+
+
+def server_line(run: dict) -> str:
+    """Return a server run's table row."""
+    step, token = run["step_seconds"], run["server_token_seconds"]
+    engine = run["engine_overhead_fraction"] * token
+    return (f"| {run['dtype']} | {step * 1e3:.2f} ms | {token * 1e3:.2f} ms | {(token - step) * 1e3:.2f} ms "
+            f"({token / step - 1:.0%}) | {engine * 1e3:.2f} ms |")
+
+
 def decode_line(run: dict, bandwidth: float) -> str:
     """Return a decode run's table row."""
     step, parts, sampling = run["step_seconds"], run["parts"], run["sampling_seconds"]
@@ -229,10 +283,14 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[850, 5000])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--server", action="store_true",
+                        help="also time a lone stream through Gunicorn in turns with the in-process steps")
     args = parser.parse_args()
     bandwidth = run_probe("bandwidth", "--threads", str(args.threads), "--megabytes", "1024")["bytes_per_second"]
     torch.set_num_threads(args.threads)
-    results = {"threads": args.threads, "read_bytes_per_second": bandwidth, "decode": [], "prompt": []}
+    results = {"threads": args.threads, "read_bytes_per_second": bandwidth, "decode": [], "prompt": [], "server": []}
+    server_lines = ["| DTYPE | step in this process | server, per token | what serving adds | of it, in the engine's "
+                    "steps outside the forward |", "|---|---|---|---|---|"]
     part_names = list(PARTS) + ["other operators", "python"]
     prompt_names = ["decoder layers", "attention (replayed)", *part_names[1:]]
     decode_lines = ["| DTYPE | rows | step | products | attention | around them | output product | outside the layers "
@@ -257,6 +315,10 @@ def main() -> None:
             parts = " | ".join(f"{run['parts'][name]:.2f} s ({run['parts'][name] / seconds:.0%})" for name in prompt_names)
             prompt_lines.append(f"| {dtype} | {tokens} | {seconds:.2f} s | {parts} | "
                                 f"{run['product_multiply_adds_per_second'] / 1e9:.0f} |")
+        if args.server:
+            run = measure_server(runner, prompt_ids, dtype, args.threads, rounds=3)
+            results["server"].append(run)
+            server_lines.append(server_line(run))
         del runner
     table = "\n".join([
         f"Qwen2.5-0.5B-shaped dev model, {args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
@@ -266,7 +328,12 @@ def main() -> None:
         "bytes. Around them: what the decoder layers spend besides their products and attention (norms, rotary, "
         "rounding inputs, SiLU, residuals, each product's fork and join). Outside the layers: embedding, rotary "
         "tables, final norm, the interpreter.", "", *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
-        "= the layers less the attention, norms and rotary included)", "", *prompt_lines, ""])
+        "= the layers less the attention, norms and rotary included)", "", *prompt_lines, "",
+        *(["### A lone stream through Gunicorn beside the same steps", "",
+           f"One worker on {args.threads} thread(s), {results['server'][0]['reply_tokens'] if args.server else 0} greedy tokens a stream, two streams a round "
+           "in turns with a run of in-process steps, three rounds (medians). The engine's share outside the forward "
+           "(sampling, text, delivery) is its decode_overhead_fraction; the rest of what serving adds is between "
+           "steps: the HTTP thread, the client and the engine's loop.", "", *server_lines, ""] if args.server else [])])
     save_results("step", results, table)
 
 
