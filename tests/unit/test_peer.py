@@ -97,14 +97,19 @@ def figures(decode: float, first_850: float, pss: int, prompt_tokens: int) -> di
             "short_prompt_tokens": prompt_tokens, "pss_bytes": pss, "errors": []}
 
 
+def int8_results(rounds: list[dict], **extra) -> dict:
+    """Return a versus.py results record of int8 rounds on a machine of 40 GB/s and 0.5 GB a token."""
+    return {"formats": ["int8"], "rounds": rounds, "sizes": {}, "weight_bytes_per_token": {"int8": 0.5e9},
+            "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
+                               "peak_multiply_adds_per_second": {"avx2": 2e11}}, **extra}
+
+
 def test_the_table_gives_medians_over_rounds_and_each_rounds_ratio_to_llama_cpp():
     """Medians with their range over the rounds, corechat over llama.cpp per round, a template mismatch called out."""
     theirs = [figures(decode, 2.0, 800_000_000, 41) for decode in (40.0, 40.0, 50.0)]
     mine = [figures(decode, first, 1_200_000_000, 41) for decode, first in ((48.0, 1.0), (60.0, 1.2), (50.0, 0.8))]
     rounds = [{"corechat int8": ours, "llama.cpp int8": peer} for ours, peer in zip(mine, theirs, strict=True)]
-    results = {"formats": ["int8"], "rounds": rounds, "sizes": {}, "weight_bytes_per_token": {"int8": 0.5e9},
-               "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
-                                  "peak_multiply_adds_per_second": {"avx2": 2e11}}}
+    results = int8_results(rounds)
     table = render("test", results)
     assert "| decode, one stream (tok/s) | 50.0 (48.0-60.0) | 40.0 (40.0-50.0) | 1.20x, 1.50x, 1.00x |" in table
     assert "| first token, ~850-token prompt (s) | 1.00 (0.80-1.20) | 2.00 (2.00-2.00) | 0.50x, 0.60x, 0.40x |" in table
@@ -119,10 +124,8 @@ def test_the_table_names_the_peer_that_ran():
     """A run beside ik_llama.cpp titles its sections, columns and ratios with it and says what was built."""
     rounds = [{"corechat int8": figures(50.0, 1.0, 1_200_000_000, 41),
                "ik_llama.cpp int8": figures(40.0, 2.0, 800_000_000, 41)}]
-    results = {"formats": ["int8"], "rounds": rounds, "sizes": {}, "weight_bytes_per_token": {"int8": 0.5e9},
-               "peer": {"name": "ik_llama.cpp", "version": "8337e4cd3861", "options": "--webui none --jinja -rtr"},
-               "machine_probes": {"read_bytes_per_second": 40e9, "threads": 2,
-                                  "peak_multiply_adds_per_second": {"avx2": 2e11}}}
+    results = int8_results(rounds, peer={"name": "ik_llama.cpp", "version": "8337e4cd3861",
+                                         "options": "--webui none --jinja -rtr"})
     table = render("test", results)
     assert "## corechat int8 vs ik_llama.cpp q8_0" in table
     assert "| measurement | corechat int8 | ik_llama.cpp q8_0 | corechat / ik_llama.cpp, per round |" in table
