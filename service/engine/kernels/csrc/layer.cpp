@@ -250,17 +250,19 @@ int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<
     return static_cast<int64_t>(registry.size()) - 1;
 }
 
+// A model's layers as register_layers kept them.
+std::shared_ptr<const RegisteredLayers> registered(int64_t model) {
+    std::lock_guard<std::mutex> hold(registry_mutex);
+    TORCH_CHECK(model >= 0 && model < static_cast<int64_t>(registry.size()), "no registered layers ", model);
+    return registry[model];
+}
+
 // Every registered layer over rows of tokens: attention_inputs, paged_attention and mlp a layer at a
 // time, the same calls the interpreter would make; returns the last layer's hidden states.
 at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& pool, const at::Tensor& tables, const at::Tensor& row_sequences,
                       const at::Tensor& positions) {
-    std::shared_ptr<const RegisteredLayers> layers;
-    {
-        std::lock_guard<std::mutex> hold(registry_mutex);
-        TORCH_CHECK(model >= 0 && model < static_cast<int64_t>(registry.size()), "no registered layers ", model);
-        layers = registry[model];
-    }
+    const std::shared_ptr<const RegisteredLayers> layers = registered(model);
     at::Tensor states = hidden;
     const int64_t rows = hidden.size(0), head_dim = layers->head_dim;
     for (size_t index = 0; index < layers->layers.size(); ++index) {
@@ -281,12 +283,7 @@ at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor&
 // gate/up, down), on inputs of `rows` rows rounded once before: what the step probe
 // (bench/probes/step_probe.py) times to split a step's layers into their products and the rest.
 void run_products(int64_t model, int64_t rows) {
-    std::shared_ptr<const RegisteredLayers> layers;
-    {
-        std::lock_guard<std::mutex> hold(registry_mutex);
-        TORCH_CHECK(model >= 0 && model < static_cast<int64_t>(registry.size()), "no registered layers ", model);
-        layers = registry[model];
-    }
+    const std::shared_ptr<const RegisteredLayers> layers = registered(model);
     TORCH_CHECK(rows > 0, "rows must be above 0");
     const LayerArguments& first = layers->layers.front();
     // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
