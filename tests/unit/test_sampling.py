@@ -162,24 +162,30 @@ def test_logit_bias_is_added_to_its_own_row_alone_in_one_batch():
     assert biased(samplers[1:2], unbiased) is unbiased  # no row with a bias: no copy
 
 
+@pytest.mark.parametrize("width", [10, 151_936], ids=["10", "vocabulary"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "drawn"])
-def test_a_row_with_non_finite_logits_gets_no_token_and_fails_alone(temperature):
-    """A NaN anywhere in a row, or an infinite largest logit, gives that row no token (argmax would take
+def test_a_row_with_non_finite_logits_gets_no_token_and_fails_alone(temperature, width):
+    """A NaN anywhere in a row (first, within, last: the vectorized loops' head, body and tail), an
+    infinite largest logit, or every logit forbidden (-inf) gives that row no token (argmax would take
     the NaN's index): its sampler raises NonFiniteLogits when the scheduler records the token, and the
     other rows, one with forbidden (-inf) tokens among them, take the tokens they take alone."""
-    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(7, width, generator=torch.Generator().manual_seed(3))
     logits[1, 3] = float("nan")
     logits[2, 7] = float("inf")
     logits[3, :5] = float("-inf")
+    logits[4, 0] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[6] = float("-inf")
+    failing = (1, 2, 4, 5, 6)
 
     def samplers(count: int) -> list[Sampler]:
-        return [Sampler(SamplingParams(max_tokens=2, temperature=temperature, seed=1), 10) for _ in range(count)]
+        return [Sampler(SamplingParams(max_tokens=2, temperature=temperature, seed=1), width) for _ in range(count)]
 
-    rows = samplers(4)
+    rows = samplers(7)
     tokens = sample_tokens(rows, logits)
-    assert tokens[1] == tokens[2] == NO_TOKEN
+    assert [tokens[row] for row in failing] == [NO_TOKEN] * len(failing)
     assert [tokens[0], tokens[3]] == [sample_tokens(samplers(1), logits[row:row + 1])[0] for row in (0, 3)]
-    for row in (1, 2):
+    for row in failing:
         with pytest.raises(NonFiniteLogits, match="not finite"):
             rows[row].record(tokens[row])
     rows[0].record(tokens[0])
