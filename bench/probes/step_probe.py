@@ -66,20 +66,16 @@ def split(events, wall_seconds: float, repeats: int) -> dict[str, float]:
     return parts
 
 
-def weight_bytes(linears) -> int:
-    """Return the bytes of quantized products' weights and scales."""
-    return sum(linear.qweight.numel() * linear.qweight.element_size() + linear.qscale.numel() * linear.qscale.element_size()
-               for linear in linears)
+def tensor_bytes(tensors) -> int:
+    """Return the bytes tensors hold."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def layer_linears(model) -> list:
-    """Return every decoder layer's products, q, k, v, o, gate, up, down, layer after layer."""
-    linears = []
-    for layer in model.model.layers[: model.config.num_hidden_layers]:
-        attention, mlp = layer.self_attn, layer.mlp
-        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
-                    mlp.up_proj, mlp.down_proj]
-    return linears
+def layer_weight_bytes(lean) -> int:
+    """Return the bytes of every decoder layer's product weights and scales, as run_layers reads them."""
+    # A fused block's arguments: norm weight, epsilon, weights, scales, biases, outputs, format.
+    return tensor_bytes(tensor for layer in lean.fused for block in (layer.attention, layer.mlp)
+                        for tensor in (*block[2], *block[3]))
 
 
 def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict:
@@ -97,7 +93,6 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
     model, inner = lean.model, lean.model.model
     layers, kv_heads, head_dim = lean.shape
     heads, scaling = model.config.num_attention_heads, inner.layers[0].self_attn.scaling
-    linears = layer_linears(model)
     times = {part: [] for part in ("step", "decoder layers", "products", "attention", "output product")}
     with torch.inference_mode():
         kvs = [runner.reserve(len(prompt_ids) + 2 * steps + 8) for _ in range(rows)]
@@ -151,8 +146,8 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
              "output product": seconds["output product"],
              "outside the layers": seconds["step"] - seconds["decoder layers"] - seconds["output product"]}
     return {"rows": rows, "step_seconds": seconds["step"], "seconds": seconds, "parts": parts,
-            "sampling_seconds": sampling, "layer_weight_bytes": weight_bytes(linears),
-            "output_weight_bytes": weight_bytes([model.lm_head])}
+            "sampling_seconds": sampling, "layer_weight_bytes": layer_weight_bytes(lean),
+            "output_weight_bytes": tensor_bytes((model.lm_head.qweight, model.lm_head.qscale))}
 
 
 def lone_steps(runner, prompt_ids: list[int], steps: int) -> float:
