@@ -26,11 +26,10 @@ from bench.peer import (
     PEER_DIR,
     QUANTIZATIONS,
     Toolchain,
-    build_targets,
+    build_once,
     cpu_flags_key,
     exclusive,
     progress,
-    require_build_tools,
     run_tool,
 )
 
@@ -154,16 +153,12 @@ def build(source: Path | None = None, root: Path = PEER_DIR) -> Toolchain:
         return latest_build(root)
     commit = source_commit(source)
     toolchain = toolchain_for(commit, root)
-    with exclusive(root / "build.lock"):
-        if toolchain.built:
-            return toolchain
-        require_build_tools()
-        if not toolchain.source.is_dir():
-            progress(f"unpacking {NAME} {commit[:12]} from {source}")
-            unpack(source, commit, toolchain.source)
-        progress(f"building {NAME} {commit[:12]} in {toolchain.build} (about 8 minutes on two cores)")
-        build_targets(toolchain, CMAKE_OPTIONS)
-    return toolchain
+
+    def fetch() -> None:
+        progress(f"unpacking {NAME} {commit[:12]} from {source}")
+        unpack(source, commit, toolchain.source)
+
+    return build_once(toolchain, root, fetch, CMAKE_OPTIONS, f"{NAME} {commit[:12]} (about 8 minutes on two cores)")
 
 
 def quantize(toolchain: Toolchain, bf16: Path, root: Path = PEER_DIR) -> dict[str, Path]:

@@ -26,6 +26,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,37 +118,38 @@ def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR
 
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
     """Download the sdist, unpack it and build llama-server and llama-quantize, once per version, CPU and ISA_OPTIONS key."""
-    toolchain = toolchain_for(version, root, isa)
+
+    def download() -> None:
+        progress(f"downloading the llama-cpp-python {version} sdist from PyPI")
+        downloads = root / "downloads"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
+                        "--dest", str(downloads), f"llama-cpp-python=={version}"], check=True)
+        with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
+            sdist.extractall(root, filter="data")
+
+    return build_once(toolchain_for(version, root, isa), root, download, (*CMAKE_OPTIONS, *ISA_OPTIONS[isa]),
+                      f"{', '.join(BUILD_TARGETS)} (about 10 minutes on two cores)")
+
+
+def build_once(toolchain: Toolchain, root: Path, fetch_source: Callable[[], None], cmake_options: tuple[str, ...],
+               what: str) -> Toolchain:
+    """Build BUILD_TARGETS of a toolchain's source once, under the peers' build lock: check the compilers
+    before anything is fetched, fetch the source unless it is unpacked, configure, build on every core."""
     with exclusive(root / "build.lock"):
         if toolchain.built:
             return toolchain
-        require_build_tools()
+        missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"building llama.cpp needs {' and '.join(missing)}: apt-get install cmake g++")
         if not toolchain.source.is_dir():
-            progress(f"downloading the llama-cpp-python {version} sdist from PyPI")
-            downloads = root / "downloads"
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
-                            "--dest", str(downloads), f"llama-cpp-python=={version}"], check=True)
-            with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
-                sdist.extractall(root, filter="data")
-        progress(f"building {', '.join(BUILD_TARGETS)} in {toolchain.build} (about 10 minutes on two cores)")
-        build_targets(toolchain, (*CMAKE_OPTIONS, *ISA_OPTIONS[isa]))
+            fetch_source()
+        progress(f"building {what} in {toolchain.build}")
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *cmake_options],
+                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
+                        "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
     return toolchain
-
-
-def require_build_tools() -> None:
-    """Fail before any download or unpacking when the compilers are missing."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        raise RuntimeError(f"building llama.cpp needs {' and '.join(missing)}: apt-get install cmake g++")
-
-
-def build_targets(toolchain: Toolchain, cmake_options: tuple[str, ...]) -> None:
-    """Configure a source tree and build BUILD_TARGETS alone, on every core."""
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", str(toolchain.source), "-B", str(toolchain.build), *generator, *cmake_options],
-                   check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(toolchain.build), "--parallel", str(os.cpu_count() or 1),
-                    "--target", *BUILD_TARGETS], check=True, stdout=subprocess.DEVNULL)
 
 
 def run_tool(command: list[str], **options) -> None:
