@@ -65,6 +65,12 @@ class Settings(BaseSettings):
         "runs on every core; once all are busy each keeps its own. Off, or with PIN_WORKERS, each worker keeps "
         "its TORCH_THREADS. Assumes the machine's cores are the service's (docs/performance.md)."
     )
+    gather_streams: bool = Field(
+        True, description="A worker with nothing to do leaves new connections to a busy worker whose batch has "
+        "room (fewer than MAX_RUNNING streams, little prompt work ahead), so streams decode as one batch on the "
+        "cores the idle workers lend it, reading the weights once per token (docs/performance.md). Needs "
+        "LEND_IDLE_CORES (and so not PIN_WORKERS); connections kept alive stay with their worker."
+    )
     max_queue: int = Field(
         16, ge=1, description="Requests a worker accepts beyond those running; more get a 503."
     )

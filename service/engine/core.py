@@ -152,6 +152,13 @@ class Engine:
         """Return the number of sequences being generated."""
         return self._scheduler.running if self._scheduler is not None else 0
 
+    @property
+    def prompt_tokens_left(self) -> int:
+        """Return the prompt tokens still to pass: the queued requests' and those in their pass."""
+        with self._pending.mutex:
+            queued = sum(len(generation.prompt_ids) for generation in self._pending.queue)
+        return queued + (self._scheduler.prompt_tokens_left if self._scheduler is not None else 0)
+
     def _run(self) -> None:
         """Load, warm up, then serve until stopped (the engine thread)."""
         try:

@@ -52,6 +52,11 @@ class MachineLoad:
         self._since = (clock(), busy_seconds(), own_seconds())
         self._others = 0.0
 
+    @property
+    def last(self) -> float:
+        """Return the CPUs other processes used over the last window measured (no new measure)."""
+        return self._others
+
     def others(self) -> float:
         """Return the CPUs other processes used over the last window (measured again once it is over)."""
         now = self._clock()
@@ -102,6 +107,11 @@ class SharedCores:
             self.threads = threads
         self._table[self._slot] = threads
         return threads
+
+    def others_leave_a_core(self) -> bool:
+        """Tell whether this worker may lend or borrow cores now, by the machine's load last measured:
+        read from any thread, it never measures again."""
+        return self.lends and (self._load is None or round(self._cpus - self._load.last) > self._own)
 
     def release(self) -> None:
         """Hold no core (the engine has nothing to do) and fall back to this worker's own threads."""

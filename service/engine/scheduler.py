@@ -52,6 +52,9 @@ class Scheduler:
         self.prompts = PromptPass(runner, prefixes, self.delivery, speller, facts)
         # Sequences taken off the queue and not yet ended; read by other threads for /readyz and submit.
         self.running = 0
+        # Prompt tokens taken off the queue and not yet through their pass; read by the worker's
+        # event loop (whether it gathers more streams).
+        self.prompt_tokens_left = 0
         self._decode_seconds = 0.0
         self._forward_seconds = 0.0
         # The last prompt chunk's CPU-thread seconds per token (None until one ran), for cutting the
@@ -74,6 +77,7 @@ class Scheduler:
                 self._decode_step(active)
                 busy = self.running
                 self.running = len(active) + places(prefilling)
+                self.prompt_tokens_left = sum(len(sequence.next_input) for sequence in prefilling)
                 self.delivery.send_ended()
                 if busy and not self.running:
                     self.cores.release()
@@ -85,7 +89,7 @@ class Scheduler:
             self.delivery.send_ended()
             for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
-            self.running = 0
+            self.running = self.prompt_tokens_left = 0
             raise
         for sequence in active + [choice for sequence in prefilling for choice in sequence.group]:
             sequence.in_batch = False

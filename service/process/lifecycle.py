@@ -15,6 +15,7 @@ from ..api.corechat import corechat_of
 from ..engine.cores import SLOT_BYTES, SharedCores, busy_cpu_seconds
 from ..observability.metrics import report_not_ready, report_ready
 from ..topology import physical_core_groups, physical_cores
+from .gathering import GATHER_PROMPT_TOKENS, Gathering, make_table
 
 if TYPE_CHECKING:
     from ..api.serving import ChatEngine
@@ -77,13 +78,16 @@ def peers_shut_out(bind: str, allowed_networks: tuple) -> str | None:
 # lowest free slot.
 CORE_TABLE_SLOTS = 64
 _core_table: mmap.mmap | None = None
+# The table through which they gather new streams on a busy worker (gathering.py), slot for slot.
+_gather_table: mmap.mmap | None = None
 
 
 def assign_slot(server, worker) -> None:
     """Give a new worker the lowest slot no live worker holds (in the master, before fork)."""
-    global _core_table
+    global _core_table, _gather_table
     if _core_table is None:
         _core_table = mmap.mmap(-1, CORE_TABLE_SLOTS * SLOT_BYTES)
+        _gather_table = make_table(CORE_TABLE_SLOTS)
     taken = {getattr(other, "slot", None) for other in server.WORKERS.values()}
     worker.slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
@@ -115,6 +119,12 @@ def boot_worker(worker) -> None:
     cores = SharedCores(_core_table if lending else None, slot, physical_cores(), settings.threads_per_worker,
                         torch.set_num_threads, busy_seconds=busy_cpu_seconds)
     core.engine.facts.update(slot=slot, workers=settings.worker_count, lends_cores=cores.lends)
+    # Streams gathered on one worker decode on the cores the others lend it: without lending (or
+    # while other processes keep the CPUs busy) they would share its own core while the others idle.
+    if settings.gather_streams and cores.lends and _gather_table is not None:
+        worker.gathering = Gathering(_gather_table, slot)
+        worker.gather_room = lambda: (cores.others_leave_a_core()
+                                      and core.engine.prompt_tokens_left <= GATHER_PROMPT_TOKENS)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
     core.engine.start(
         on_ready=partial(failures_file.unlink, missing_ok=True),

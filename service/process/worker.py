@@ -19,7 +19,8 @@ other quick requests find a free one. A response whose client reads none of it f
 SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
 
 A worker starts accepting connections only once its engine is ready, so no request waits on a model
-load.
+load; while it has nothing to do and another worker gathers streams, it leaves new connections to
+that one (gathering.py).
 """
 
 import errno
@@ -29,6 +30,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from functools import partial
 
 from gunicorn import http
@@ -47,6 +49,7 @@ from .arrival import (
     WholeRequest,
     http_error,
 )
+from .gathering import DEFER_SECONDS, Gathering
 from .refusal import access_entry, render
 
 READ_BYTES = 64 * 1024
@@ -115,6 +118,12 @@ class CorechatWorker(ThreadWorker):
         self.stopped_listening = False
         self.next_expiry_check = 0.0
         self.serving = threading.local()
+        self.max_running = settings.max_running
+        # Set by the lifecycle when this worker gathers streams with the others (gathering.py): its
+        # slot in the table, and whether its engine has little prompt work ahead.
+        self.gathering: Gathering | None = None
+        self.gather_room: Callable[[], bool] = lambda: True
+        self.accepting_again_at = 0.0
 
     # Readiness ------------------------------------------------------------------------------
 
@@ -141,8 +150,10 @@ class CorechatWorker(ThreadWorker):
             on_open()
 
     def set_accept_enabled(self, enabled):
-        """Accept connections only once the worker is open for requests, and never once it stops."""
-        super().set_accept_enabled(enabled and self.open_for_requests and self.alive and not self.stopped_listening)
+        """Accept connections only once the worker is open for requests, never once it stops, and not
+        while it leaves them to a worker that gathers streams."""
+        super().set_accept_enabled(enabled and self.open_for_requests and self.alive and not self.stopped_listening
+                                   and time.monotonic() >= self.accepting_again_at)
 
     def handle_exit(self, sig, frame):
         """On SIGTERM, stop listening at once (in the event loop), then drain.
@@ -169,6 +180,7 @@ class CorechatWorker(ThreadWorker):
         """
         self.set_accept_enabled(False)
         self.stopped_listening = True
+        self.publish_gathering()
         for listener in self.sockets:
             listener.close()
 
@@ -180,7 +192,10 @@ class CorechatWorker(ThreadWorker):
         while self.alive:
             self.notify()
             self.set_accept_enabled(self.nr_conns < self.worker_connections)
-            self.wait_for_and_dispatch_events(timeout=1.0)
+            # A worker that left connections to a gathering one looks at its listeners again soon.
+            deferred = self.accepting_again_at - time.monotonic()
+            self.wait_for_and_dispatch_events(timeout=min(1.0, deferred) if deferred > 0 else 1.0)
+            self.publish_gathering()
             if not self.is_parent_alive():
                 break
             self.expire_waiting()
@@ -208,6 +223,17 @@ class CorechatWorker(ThreadWorker):
         # A listener's readiness may come in the same batch of events as the wake-up that closed it.
         if self.stopped_listening:
             return
+        if self.gathering is not None and self.gathering.defers(idle=not self.streams()):
+            self.accepting_again_at = time.monotonic() + DEFER_SECONDS
+            self.set_accept_enabled(False)
+            return
+        try:
+            self.accept_some(listener)
+        finally:
+            self.publish_gathering()
+
+    def accept_some(self, listener) -> None:
+        """Accept up to ACCEPT_BATCH waiting connections and read what each already sent."""
         for _ in range(ACCEPT_BATCH):
             if self.nr_conns >= self.worker_connections:
                 return
@@ -232,6 +258,19 @@ class CorechatWorker(ThreadWorker):
             conn = Connection(self.cfg, client_sock, client_addr, listener.getsockname())
             arriving = self.await_request(conn, time.monotonic() + self.arrival_seconds, idle=False)
             self.on_request_bytes(arriving, client_sock)
+
+    def streams(self) -> int:
+        """Return the POSTs this worker holds a place for or is reading (probes and scrapes are no streams)."""
+        reading = sum(1 for arriving in self.arriving.values() if arriving.method == b"POST")
+        return self.places - self.free_places + reading
+
+    def publish_gathering(self) -> None:
+        """Tell the other workers whether this one gathers new streams: it is open, holds some and fewer
+        than MAX_RUNNING, and its engine has little prompt work ahead."""
+        if self.gathering is None:
+            return
+        open_ = self.open_for_requests and self.alive and not self.stopped_listening
+        self.gathering.publish(open_ and 0 < self.streams() < self.max_running and self.gather_room())
 
     def peer_allowed(self, client) -> bool:
         """Tell whether a peer may connect: loopback (or a Unix socket, which has no address), or an

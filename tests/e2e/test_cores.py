@@ -1,12 +1,13 @@
 """Idle workers lend their cores to busy ones, with the defaults of `make serve` over HTTP: a lone request
-runs on every core."""
+runs on every core, and streams started while a worker has room gather on it."""
 
 import time
 
 import pytest
 
-from harness import chat, cpu_ticks_by_thread, ready_facts
+from harness import COUNTING, StreamingClient, chat, cpu_ticks_by_thread, hang_up_all, ready_facts
 from service.engine.cores import busy_cpu_seconds
+from service.settings import Settings
 from service.topology import physical_cores
 
 # A prompt long enough that its pass runs torch's parallel loops (their grain is 32,768 elements).
@@ -48,3 +49,33 @@ def test_a_lone_request_runs_on_every_core_with_the_defaults(gunicorn):
     served = max(pids, key=lambda pid: sum(used[pid]))
     assert used[served][0] > 0
     assert used[served][1] >= 0.25 * used[served][0], used[served][:4]
+
+
+@pytest.mark.serial
+def test_streams_started_while_a_worker_has_room_gather_on_it_beyond_capacity_with_the_defaults(gunicorn):
+    """One stream after another, each running before the next starts, two more than a batch holds: the
+    first MAX_RUNNING run on one worker, as one batch on both cores, and the rest find a place.
+
+    Run alone (serial): a worker gathers only while other processes leave a core to lend.
+    """
+    batch = Settings.model_construct().max_running
+    assert physical_cores() > 1, "gathering needs a second core to lend"
+    with gunicorn(workers=physical_cores()) as server:
+        wait_for_a_quiet_machine()
+        streams = []
+        try:
+            for index in range(batch + 2):
+                messages = [{**COUNTING[0], "content": f"{COUNTING[0]['content']} ({index})"}]
+                body = {"messages": messages, "max_tokens": 1000, "temperature": 0, "stream": True}
+                streams.append(StreamingClient(server.url, body, {"Cache-Control": "no-cache"}))
+                if index < batch:
+                    streams[-1].wait_for_chunks(1)
+                else:
+                    streams[-1].wait_for_headers()
+            facts = ready_facts(server)
+            assert len(facts) == physical_cores(), facts
+            running = sorted((worker["running"] for worker in facts.values()), reverse=True)
+            assert running[0] == batch, running
+            assert sum(worker["running"] + worker["waiting"] for worker in facts.values()) == batch + 2
+        finally:
+            hang_up_all(streams)

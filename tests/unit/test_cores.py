@@ -138,6 +138,20 @@ def test_a_machine_busy_with_other_processes_lends_no_core():
     assert lender.take() == 2
 
 
+def test_whether_others_leave_a_core_follows_the_load_last_measured_without_measuring_again():
+    clocks = Clocks()
+    worker = clocks.view(new_table(), 0)
+    assert worker.others_leave_a_core()
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, workers_cpus=(1.0, 0.0))
+    assert worker.others_leave_a_core(), "not measured again: only take() measures"
+    worker.take()
+    assert not worker.others_leave_a_core()
+    clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=0.0)
+    worker.take()
+    assert worker.others_leave_a_core()
+    assert not no_sharing(1).others_leave_a_core(), "a worker that cannot lend gathers nothing on lent cores"
+
+
 def test_a_sibling_that_just_went_idle_is_not_counted_as_load():
     """The table says at once that a sibling is idle; its CPU over the last window is not another
     process's load, so the first layer after it went idle already lends."""

@@ -1,0 +1,85 @@
+"""New streams gather on a busy worker while its batch has room (service/process/gathering.py): the table's
+policy with a controlled clock, and across fork."""
+
+import os
+
+from service.process.gathering import DEFER_SECONDS, FRESH_SECONDS, MOST_DEFER_SECONDS, Gathering, make_table
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def workers(count: int = 2):
+    """Return a clock and `count` workers' views of one table (slots 0, 1, ...)."""
+    clock, table = Clock(), make_table(64)
+    return clock, [Gathering(table, slot, clock) for slot in range(count)]
+
+
+def test_an_idle_worker_defers_to_a_gathering_one_and_a_busy_one_never_defers():
+    _, (busy, idle) = workers()
+    assert not idle.defers(idle=True), "nobody gathers yet"
+    busy.publish(True)
+    assert idle.defers(idle=True)
+    assert not idle.defers(idle=False), "a worker with streams of its own accepts as any worker"
+    assert not busy.defers(idle=True), "a worker never defers to itself"
+    busy.publish(False)
+    assert not idle.defers(idle=True), "a full worker, or one with a long prompt ahead, draws nothing"
+
+
+def test_a_published_state_goes_stale_after_fresh_seconds():
+    clock, (busy, idle) = workers()
+    busy.publish(True)
+    clock.now += FRESH_SECONDS - 0.01
+    assert idle.another_gathers()
+    clock.now += 0.02
+    assert not idle.another_gathers(), "a worker that died, or whose loop stopped, draws no connections"
+
+
+def test_connections_left_waiting_are_accepted_after_the_most_deferral():
+    clock, (busy, idle) = workers()
+    busy.publish(True)
+    waited = 0.0
+    while idle.defers(idle=True):
+        clock.now += DEFER_SECONDS
+        waited += DEFER_SECONDS
+        busy.publish(True)
+        assert waited <= MOST_DEFER_SECONDS + DEFER_SECONDS, "deferred without end"
+    assert waited >= MOST_DEFER_SECONDS - DEFER_SECONDS
+    assert idle.defers(idle=True), "the next connection starts a new streak"
+
+
+def test_a_streak_ends_once_the_listener_stayed_quiet():
+    clock, (busy, idle) = workers()
+    busy.publish(True)
+    for _ in range(3):
+        assert idle.defers(idle=True)
+        clock.now += MOST_DEFER_SECONDS  # each a new connection, long after the last deferral
+        busy.publish(True)
+
+
+def test_any_of_several_workers_may_gather_and_a_fresh_view_clears_its_slot():
+    _, views = workers(4)
+    views[3].publish(True)
+    assert all(view.defers(idle=True) for view in views[:3])
+    clock = Clock()
+    table = make_table(64)
+    Gathering(table, 2, clock).publish(True)
+    Gathering(table, 2, clock)  # the slot's next worker starts closed
+    assert not Gathering(table, 0, clock).another_gathers()
+
+
+def test_forked_workers_see_each_other_through_the_masters_table():
+    table = make_table(64)
+    pid = os.fork()
+    if pid == 0:
+        Gathering(table, 1).publish(True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert Gathering(table, 0).another_gathers()
