@@ -11,15 +11,25 @@ new connections to a gathering worker: it stops watching its listeners for DEFER
 accepts anyway once one has waited MOST_DEFER_SECONDS (the gathering worker's loop may be slow to
 take it). Once it holds streams of its own, or no worker gathers, it accepts as any worker does.
 
+A burst arriving at idle workers wakes them all at once. So an idle worker decides and accepts
+holding a lock the workers share (flock on a file in the master's run folder, which the kernel
+releases if its holder dies): the first takes a connection and publishes that it gathers before it
+lets go, and the others, finding it gathering, leave the rest to it. A connection whose request has
+not yet shown its method counts as a stream until it does.
+
 A published state holds FRESH_SECONDS, refreshed by every turn of the worker's event loop (at least
 once a second), so a worker that died stops drawing connections soon after. Connections kept alive
 stay where they are: gathering steers only new connections.
 """
 
+import contextlib
+import fcntl
 import mmap
+import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 FRESH_SECONDS = 2.5
 DEFER_SECONDS = 0.02
@@ -37,12 +47,23 @@ def make_table(slots: int) -> mmap.mmap:
 class Gathering:
     """A worker's slot in the table, and its view of the others'."""
 
-    def __init__(self, table: mmap.mmap, slot: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, table: mmap.mmap, slot: int, lock_path: Path, clock: Callable[[], float] = time.monotonic):
         self._table, self._slot, self._clock = table, slot, clock
+        # Opened by each worker itself: flock excludes open files, and forked copies share one.
+        self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._slots = len(table) // SLOT_BYTES
         self._streak_began: float | None = None
         self._last_deferred = 0.0
         self.publish(False)
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[None]:
+        """Hold the workers' shared lock while an idle worker decides whether to accept, and accepts."""
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
 
     def publish(self, gathering: bool) -> None:
         """Say whether this worker gathers new streams (for the next FRESH_SECONDS)."""

@@ -122,7 +122,8 @@ def boot_worker(worker) -> None:
     # Streams gathered on one worker decode on the cores the others lend it: without lending (or
     # while other processes keep the CPUs busy) they would share its own core while the others idle.
     if settings.gather_streams and cores.lends and _gather_table is not None:
-        worker.gathering = Gathering(_gather_table, slot)
+        lock_path = Path(settings.prometheus_multiproc_dir or ".") / f"corechat-gathering-{worker.ppid}.lock"
+        worker.gathering = Gathering(_gather_table, slot, lock_path)
         worker.gather_room = lambda: (cores.others_leave_a_core()
                                       and core.engine.prompt_tokens_left <= GATHER_PROMPT_TOKENS)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)

@@ -223,14 +223,19 @@ class CorechatWorker(ThreadWorker):
         # A listener's readiness may come in the same batch of events as the wake-up that closed it.
         if self.stopped_listening:
             return
-        if self.gathering is not None and self.gathering.defers(idle=not self.streams()):
-            self.accepting_again_at = time.monotonic() + DEFER_SECONDS
-            self.set_accept_enabled(False)
-            return
-        try:
+        if self.gathering is None or self.streams():
             self.accept_some(listener)
-        finally:
             self.publish_gathering()
+            return
+        with self.gathering.deciding():
+            if self.gathering.defers(idle=True):
+                self.accepting_again_at = time.monotonic() + DEFER_SECONDS
+                self.set_accept_enabled(False)
+                return
+            try:
+                self.accept_some(listener)
+            finally:
+                self.publish_gathering()
 
     def accept_some(self, listener) -> None:
         """Accept up to ACCEPT_BATCH waiting connections and read what each already sent."""
@@ -260,8 +265,10 @@ class CorechatWorker(ThreadWorker):
             self.on_request_bytes(arriving, client_sock)
 
     def streams(self) -> int:
-        """Return the POSTs this worker holds a place for or is reading (probes and scrapes are no streams)."""
-        reading = sum(1 for arriving in self.arriving.values() if arriving.method == b"POST")
+        """Return the POSTs this worker holds a place for or is reading, with the new connections whose
+        method has not arrived yet (probes and scrapes are no streams once it has)."""
+        reading = sum(1 for arriving in self.arriving.values()
+                      if arriving.method == b"POST" or (not arriving.idle and not arriving.method))
         return self.places - self.free_places + reading
 
     def publish_gathering(self) -> None:

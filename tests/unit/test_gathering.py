@@ -2,6 +2,10 @@
 policy with a controlled clock, and across fork."""
 
 import os
+import time
+from pathlib import Path
+
+import pytest
 
 from service.process.gathering import DEFER_SECONDS, FRESH_SECONDS, MOST_DEFER_SECONDS, Gathering, make_table
 
@@ -16,13 +20,24 @@ class Clock:
         return self.now
 
 
-def workers(count: int = 2):
-    """Return a clock and `count` workers' views of one table (slots 0, 1, ...)."""
-    clock, table = Clock(), make_table(64)
-    return clock, [Gathering(table, slot, clock) for slot in range(count)]
+@pytest.fixture
+def lock_path(tmp_path) -> Path:
+    """Return where the workers' shared lock lives (the master's run folder)."""
+    return tmp_path / "gathering.lock"
 
 
-def test_an_idle_worker_defers_to_a_gathering_one_and_a_busy_one_never_defers():
+@pytest.fixture
+def workers(lock_path):
+    """Return a function making a clock and `count` workers' views of one table (slots 0, 1, ...)."""
+
+    def make(count: int = 2):
+        clock, table = Clock(), make_table(64)
+        return clock, [Gathering(table, slot, lock_path, clock) for slot in range(count)]
+
+    return make
+
+
+def test_an_idle_worker_defers_to_a_gathering_one_and_a_busy_one_never_defers(workers):
     _, (busy, idle) = workers()
     assert not idle.defers(idle=True), "nobody gathers yet"
     busy.publish(True)
@@ -33,7 +48,7 @@ def test_an_idle_worker_defers_to_a_gathering_one_and_a_busy_one_never_defers():
     assert not idle.defers(idle=True), "a full worker, or one with a long prompt ahead, draws nothing"
 
 
-def test_a_published_state_goes_stale_after_fresh_seconds():
+def test_a_published_state_goes_stale_after_fresh_seconds(workers):
     clock, (busy, idle) = workers()
     busy.publish(True)
     clock.now += FRESH_SECONDS - 0.01
@@ -42,7 +57,7 @@ def test_a_published_state_goes_stale_after_fresh_seconds():
     assert not idle.another_gathers(), "a worker that died, or whose loop stopped, draws no connections"
 
 
-def test_connections_left_waiting_are_accepted_after_the_most_deferral():
+def test_connections_left_waiting_are_accepted_after_the_most_deferral(workers):
     clock, (busy, idle) = workers()
     busy.publish(True)
     waited = 0.0
@@ -55,7 +70,7 @@ def test_connections_left_waiting_are_accepted_after_the_most_deferral():
     assert idle.defers(idle=True), "the next connection starts a new streak"
 
 
-def test_a_streak_ends_once_the_listener_stayed_quiet():
+def test_a_streak_ends_once_the_listener_stayed_quiet(workers):
     clock, (busy, idle) = workers()
     busy.publish(True)
     for _ in range(3):
@@ -64,22 +79,39 @@ def test_a_streak_ends_once_the_listener_stayed_quiet():
         busy.publish(True)
 
 
-def test_any_of_several_workers_may_gather_and_a_fresh_view_clears_its_slot():
+def test_any_of_several_workers_may_gather_and_a_fresh_view_clears_its_slot(workers, lock_path):
     _, views = workers(4)
     views[3].publish(True)
     assert all(view.defers(idle=True) for view in views[:3])
     clock = Clock()
     table = make_table(64)
-    Gathering(table, 2, clock).publish(True)
-    Gathering(table, 2, clock)  # the slot's next worker starts closed
-    assert not Gathering(table, 0, clock).another_gathers()
+    Gathering(table, 2, lock_path, clock).publish(True)
+    Gathering(table, 2, lock_path, clock)  # the slot's next worker starts closed
+    assert not Gathering(table, 0, lock_path, clock).another_gathers()
 
 
-def test_forked_workers_see_each_other_through_the_masters_table():
+def test_forked_workers_see_each_other_through_the_masters_table(lock_path):
     table = make_table(64)
     pid = os.fork()
     if pid == 0:
-        Gathering(table, 1).publish(True)
+        Gathering(table, 1, lock_path).publish(True)
         os._exit(0)
     os.waitpid(pid, 0)
-    assert Gathering(table, 0).another_gathers()
+    assert Gathering(table, 0, lock_path).another_gathers()
+
+
+def test_one_worker_at_a_time_decides_and_a_dead_holder_lets_go(lock_path):
+    table = make_table(64)
+    held = 0.3
+    pid = os.fork()
+    if pid == 0:
+        with Gathering(table, 1, lock_path).deciding():
+            time.sleep(held)
+            os._exit(0)  # dies holding it: the kernel releases the lock
+    time.sleep(0.05)
+    began = time.monotonic()
+    with Gathering(table, 0, lock_path).deciding():
+        waited = time.monotonic() - began
+    os.waitpid(pid, 0)
+    assert waited >= held - 0.1, waited
+    assert waited < 10, "a dead holder's lock was not released"
