@@ -123,7 +123,10 @@ def boot_worker(worker) -> None:
     # while other processes keep the CPUs busy) they would share its own core while the others idle.
     if settings.gather_streams and cores.lends and _gather_table is not None:
         lock_path = Path(settings.prometheus_multiproc_dir or ".") / f"corechat-gathering-{worker.ppid}.lock"
-        worker.gathering = Gathering(_gather_table, slot, lock_path)
+        try:
+            worker.gathering = Gathering(_gather_table, slot, lock_path)
+        except OSError as error:
+            log.warning("worker %d gathers no streams: cannot open %s (%s)", os.getpid(), lock_path, error)
         worker.gather_room = lambda: (cores.others_leave_a_core()
                                       and core.engine.prompt_tokens_left <= GATHER_PROMPT_TOKENS)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
