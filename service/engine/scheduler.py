@@ -144,6 +144,7 @@ class Scheduler:
             generation.send(Started(taken_at - generation.submitted_at, taken_at=taken_at))
             try:
                 prefilling.append(self._begin(generation))
+                self.prompt_tokens_left += len(prefilling[-1].next_input)
             except Exception as exc:  # one request's bad parameters must not stop the others
                 log.exception("a generation failed to start")
                 for choice in generation.choices:

@@ -70,6 +70,24 @@ def test_a_short_prompt_gets_its_first_token_while_a_long_prompt_is_in_its_pass(
     assert short.last().finish_reason == long.last().finish_reason == "length"
 
 
+def test_the_prompt_work_left_counts_down_through_a_long_pass_and_is_zero_once_it_decodes(default_engine):
+    """What a worker reads to decide whether it gathers new streams (service/process/gathering.py): the
+    prompt tokens queued and in their pass."""
+    assert default_engine.prompt_tokens_left == 0
+    long = Watched(default_engine.submit(prompt(LONG_TOKENS, offset=5), SamplingParams(max_tokens=2, temperature=0.0)))
+    assert long.started.wait(EVENT_TIMEOUT)
+    seen = []
+    while not any(isinstance(event, TextDelta | Finished) for _, event in long.events):
+        seen.append(default_engine.prompt_tokens_left)
+        time.sleep(0.01)
+    assert max(seen) > LONG_TOKENS // 2, seen[:5]
+    # Started goes out just before the engine takes the prompt's room and counts it.
+    counted = seen[next(index for index, left in enumerate(seen) if left):]
+    assert counted == sorted(counted, reverse=True), "it only counts down"
+    assert isinstance(long.last(), Finished)
+    assert default_engine.prompt_tokens_left == 0
+
+
 def test_a_prompt_cancelled_mid_pass_ends_and_frees_its_place_at_once(default_engine):
     """Cancelling a prompt in its pass ends it at the next step, while another long prompt goes on."""
     params = SamplingParams(max_tokens=2, temperature=0.0)

@@ -115,3 +115,82 @@ def test_one_worker_at_a_time_decides_and_a_dead_holder_lets_go(lock_path):
     os.waitpid(pid, 0)
     assert waited >= held - 0.1, waited
     assert waited < 10, "a dead holder's lock was not released"
+
+
+class Listener:
+    """A listening socket that counts the times the worker accepted from it."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+
+
+def idle_worker(gathering: Gathering, max_running: int = 8):
+    """Return corechat's Gunicorn worker with only what its gathering reads (no arbiter, no sockets)."""
+    from service.process.worker import CorechatWorker
+
+    worker = object.__new__(CorechatWorker)
+    worker.places = worker.free_places = 24
+    worker.max_running = max_running
+    worker.arriving = {}
+    worker.gathering, worker.gather_room = gathering, lambda: True
+    worker.open_for_requests, worker.alive, worker.stopped_listening = True, True, False
+    worker.accepting_again_at = 0.0
+    worker.enabled = []
+    worker.set_accept_enabled = worker.enabled.append
+    worker.accept_some = lambda listener: setattr(listener, "accepted", listener.accepted + 1)
+    return worker
+
+
+def arriving(method: bytes | None, *, idle: bool = False):
+    """Return a connection's request as the worker's loop holds it: its method (None before its head)."""
+    from service.process.arrival import ArrivingRequest
+
+    request = ArrivingRequest(None, 0.0, idle=idle, max_body_bytes=1024)
+    if method is not None:
+        request.take(method + b" /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+    return request
+
+
+def test_a_worker_gathers_while_it_holds_streams_below_a_batch_and_has_room(workers):
+    clock, (mine, other) = workers()
+    worker = idle_worker(mine)
+    worker.publish_gathering()
+    assert not other.another_gathers(), "no stream: nothing to gather onto"
+    worker.arriving[object()] = arriving(b"GET")
+    worker.arriving[object()] = arriving(None, idle=True)
+    worker.publish_gathering()
+    assert not other.another_gathers(), "a probe and an idle kept-alive connection are no streams"
+    worker.arriving[object()] = arriving(None)
+    worker.publish_gathering()
+    assert other.another_gathers(), "a new connection counts as a stream until its method shows"
+    worker.arriving.clear()
+    worker.free_places -= 1
+    worker.publish_gathering()
+    assert other.another_gathers(), "a POST holding a place"
+    worker.gather_room = lambda: False
+    worker.publish_gathering()
+    assert not other.another_gathers(), "a long prompt ahead, or no core to borrow"
+    worker.gather_room = lambda: True
+    worker.free_places = worker.places - worker.max_running
+    worker.publish_gathering()
+    assert not other.another_gathers(), "a full batch"
+    worker.free_places += 1
+    worker.publish_gathering()
+    assert other.another_gathers()
+    worker.stopped_listening = True
+    worker.publish_gathering()
+    assert not other.another_gathers(), "a worker that stopped listening"
+
+
+def test_an_idle_worker_leaves_a_connection_to_the_gathering_one_and_looks_again_soon(workers):
+    clock, (gathering, mine) = workers()
+    worker, listener = idle_worker(mine), Listener()
+    worker.accept(listener)
+    assert listener.accepted == 1, "nobody gathers: it accepts"
+    gathering.publish(True)
+    worker.accept(listener)
+    assert listener.accepted == 1 and worker.enabled == [False], "it stops watching its listeners"
+    assert worker.accepting_again_at > 0
+    worker.free_places -= 1
+    worker.accept(listener)
+    assert listener.accepted == 2, "a worker with a stream of its own accepts as any worker"
