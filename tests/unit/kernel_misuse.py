@@ -99,6 +99,11 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     "mlp-attended-rows-differ": (lambda: mlp(attended=hidden(rows=3)), "attended"),
     "mlp-hidden-on-meta": (lambda: mlp(hidden_states=hidden().to(META)), "CPU"),
     "mlp-attended-on-meta": (lambda: mlp(attended=hidden().to(META)), "CPU"),
+    "greedy-width-0": (lambda: torch.ops.corechat.greedy_tokens(torch.zeros(2, 0)), "width"),
+    "greedy-a-vector": (lambda: torch.ops.corechat.greedy_tokens(torch.zeros(8)), "matrix"),
+    "greedy-bfloat16": (lambda: torch.ops.corechat.greedy_tokens(torch.zeros(2, 8).bfloat16()), "float32"),
+    "greedy-not-contiguous": (lambda: torch.ops.corechat.greedy_tokens(torch.zeros(8, 2).t()), "contiguous"),
+    "greedy-on-meta": (lambda: torch.ops.corechat.greedy_tokens(torch.zeros(2, 8, device=META)), "CPU"),
 }
 
 

@@ -443,3 +443,52 @@ def test_kernels_h_helpers_are_private_to_each_source_file(tmp_path):
     defined = {helper: [line.split()[1] for line in symbols if f"::{helper}(" in line] for helper in KERNELS_H_HELPERS}
     assert all(defined.values()), defined  # each emitted out of line, so its binding shows
     assert all(kind == "t" for kinds in defined.values() for kind in kinds), defined
+
+
+# Greedy tokens: each row's first largest logit, as torch.argmax chooses -----------------------------
+
+@pytest.mark.parametrize("width", [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 1000, 151_936, 151_937])
+def test_greedy_tokens_choose_what_torch_argmax_chooses_at_every_width(width):
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, width, generator=generator)
+    assert torch.equal(torch.ops.corechat.greedy_tokens(logits), torch.argmax(logits, dim=-1))
+    # The largest at each place a vector loop treats apart: first, within the first vectors, the last
+    # whole vector's end, the tail, last.
+    for place in sorted({0, 7, 8, 15, 16, 31, (width // 16) * 16 - 1, width - 2, width - 1}):
+        if 0 <= place < width:
+            row = logits[0].clone()
+            row[place] = 100.0
+            assert int(torch.ops.corechat.greedy_tokens(row[None])[0]) == place, place
+
+
+def test_greedy_tokens_take_the_first_of_equal_largest_logits_in_any_lane():
+    width = 151_936
+    for places in [(5, 6), (16, 5), (17, 33), (40, 24), (width - 1, width - 2), (width - 3, 3), (100, 99, 98)]:
+        row = torch.zeros(1, width)
+        row[0, list(places)] = 1.0
+        assert int(torch.ops.corechat.greedy_tokens(row)[0]) == min(places) == int(torch.argmax(row)), places
+    assert int(torch.ops.corechat.greedy_tokens(torch.zeros(1, width))[0]) == 0, "all equal: the first"
+
+
+@pytest.mark.parametrize("values", ["forbidden", "extremes", "subnormals"])
+def test_greedy_tokens_at_the_extremes_of_float32(values):
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 151_936, generator=generator)
+    if values == "forbidden":  # a grammar's mask: most tokens -inf
+        logits[:, torch.rand(151_936, generator=generator) < 0.99] = float("-inf")
+    elif values == "extremes":
+        logits[0, 1234] = torch.finfo(torch.float32).max
+        logits[1] = torch.finfo(torch.float32).min
+        logits[1, 77] = -torch.finfo(torch.float32).tiny
+        logits[2, ::2] = float("-inf")
+    else:
+        logits = torch.full((3, 151_936), -1e-45)
+        logits[0, 999] = 1e-45
+        logits[1, 151_935] = 0.0
+        logits[2, 20] = 2e-45
+        logits[2, 21] = 1.1754942e-38  # the largest subnormal
+    assert torch.equal(torch.ops.corechat.greedy_tokens(logits), torch.argmax(logits, dim=-1))
+
+
+def test_greedy_tokens_of_no_rows_are_none():
+    assert torch.ops.corechat.greedy_tokens(torch.zeros(0, 151_936)).shape == (0,)
