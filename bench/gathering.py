@@ -3,8 +3,8 @@
     python bench/gathering.py [--rounds 3] [--formats int8 int4]
 
 Each round starts corechat in its default shape (a worker per core) with GATHER_STREAMS on, then off
-(the order reversed every other round), and runs bench/versus.py's stream scenarios against each:
-one stream's decode, and 1, 4 and 8 short chats at once (all their tokens over the wall time).
+(the order reversed every other round), and starts 1, 4 and 8 of bench/versus.py's short chats at
+once against each: all their tokens over the wall time, first tokens included.
 The tables give medians over the rounds with their range, and each round's ratio; results go to
 bench/results/<machine>/<name>.json and .md with the CPU, the date and the commit.
 """
