@@ -127,8 +127,7 @@ def boot_worker(worker) -> None:
             worker.gathering = Gathering(_gather_table, slot, lock_path)
         except OSError as error:
             log.warning("worker %d gathers no streams: cannot open %s (%s)", os.getpid(), lock_path, error)
-        # Nothing waits in its queue (for KV pages, say), and little prompt work is ahead of a new stream.
-        worker.gather_room = lambda: (cores.others_leave_a_core() and not core.engine.waiting
+        worker.gather_room = lambda: (cores.others_leave_a_core()
                                       and core.engine.prompt_tokens_left <= GATHER_PROMPT_TOKENS)
     failures_file = load_failures_file(settings.prometheus_multiproc_dir, worker.ppid)
     core.engine.start(
