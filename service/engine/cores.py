@@ -22,6 +22,7 @@ Threads never change a result: the kernels compute each output whole on one thre
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,14 +52,16 @@ class MachineLoad:
         self._busy_seconds, self._own_seconds, self._clock = busy_seconds, own_seconds, clock
         self._since = (clock(), busy_seconds(), own_seconds())
         self._others = 0.0
-
-    @property
-    def last(self) -> float:
-        """Return the CPUs other processes used over the last window measured (no new measure)."""
-        return self._others
+        self._lock = threading.Lock()
 
     def others(self) -> float:
-        """Return the CPUs other processes used over the last window (measured again once it is over)."""
+        """Return the CPUs other processes used over the last window (measured again once it is over;
+        the engine's thread and the worker's event loop both ask)."""
+        with self._lock:
+            return self._measure()
+
+    def _measure(self) -> float:
+        """Measure again if the window is over; return the CPUs others used."""
         now = self._clock()
         began, busy, own = self._since
         if now - began >= LOAD_WINDOW_SECONDS:
@@ -109,9 +112,8 @@ class SharedCores:
         return threads
 
     def others_leave_a_core(self) -> bool:
-        """Tell whether this worker may lend or borrow cores now, by the machine's load last measured:
-        read from any thread, it never measures again."""
-        return self.lends and (self._load is None or round(self._cpus - self._load.last) > self._own)
+        """Tell whether other processes leave this worker a core to borrow now (from any thread)."""
+        return self.lends and (self._load is None or round(self._cpus - self._load.others()) > self._own)
 
     def release(self) -> None:
         """Hold no core (the engine has nothing to do) and fall back to this worker's own threads."""

@@ -17,8 +17,9 @@ releases if its holder dies): the first takes a connection and publishes that it
 lets go, and the others, finding it gathering, leave the rest to it. A connection whose request has
 not yet shown its method counts as a stream until it does.
 
-A published state holds FRESH_SECONDS, refreshed by every turn of the worker's event loop (at least
-once a second), so a worker that died stops drawing connections soon after. Connections kept alive
+A published state holds FRESH_SECONDS, refreshed by every turn of the worker's event loop (every
+GATHER_REFRESH_SECONDS while it holds streams, at least once a second otherwise), so a worker that
+died stops drawing connections soon after. Connections kept alive
 stay where they are: gathering steers only new connections.
 """
 
@@ -32,6 +33,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FRESH_SECONDS = 2.5
+# How often a worker holding streams says again whether it gathers: its engine's queue and prompt
+# work change between the events that wake its loop.
+GATHER_REFRESH_SECONDS = 0.05
 DEFER_SECONDS = 0.02
 MOST_DEFER_SECONDS = 0.25
 # A gathering worker's prompt work ahead of a new stream: about a second of prompt pass on two cores.

@@ -49,7 +49,7 @@ from .arrival import (
     WholeRequest,
     http_error,
 )
-from .gathering import DEFER_SECONDS, Gathering
+from .gathering import DEFER_SECONDS, GATHER_REFRESH_SECONDS, Gathering
 from .refusal import access_entry, render
 
 READ_BYTES = 64 * 1024
@@ -192,9 +192,11 @@ class CorechatWorker(ThreadWorker):
         while self.alive:
             self.notify()
             self.set_accept_enabled(self.nr_conns < self.worker_connections)
-            # A worker that left connections to a gathering one looks at its listeners again soon.
+            # A worker that left connections to a gathering one looks at its listeners again soon,
+            # and one with streams says again soon whether it gathers (its engine's state moves on).
+            timeout = GATHER_REFRESH_SECONDS if self.gathering is not None and self.streams() else 1.0
             deferred = self.accepting_again_at - time.monotonic()
-            self.wait_for_and_dispatch_events(timeout=min(1.0, deferred) if deferred > 0 else 1.0)
+            self.wait_for_and_dispatch_events(timeout=min(timeout, deferred) if deferred > 0 else timeout)
             self.publish_gathering()
             if not self.is_parent_alive():
                 break
