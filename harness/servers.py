@@ -119,9 +119,10 @@ class GunicornServer:
         children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
         return [int(pid) for pid in children.split()]
 
-    def log(self) -> str:
-        """Return what Gunicorn and the app logged so far."""
-        return self.log_path.read_text(errors="replace")[-20000:]
+    def log(self, last: int | None = 20000) -> str:
+        """Return the last `last` characters Gunicorn and the app logged so far (None: all of it)."""
+        text = self.log_path.read_text(errors="replace")
+        return text if last is None else text[-last:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Stop the master and return its exit code."""
