@@ -119,8 +119,8 @@ class GunicornServer:
         children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
         return [int(pid) for pid in children.split()]
 
-    def log(self, last: int | None = 20000) -> str:
-        """Return the last `last` characters Gunicorn and the app logged so far (None: all of it)."""
+    def log(self, last: int | None = None) -> str:
+        """Return what Gunicorn and the app logged so far (only its last `last` characters, if given)."""
         text = self.log_path.read_text(errors="replace")
         return text if last is None else text[-last:]
 
