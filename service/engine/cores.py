@@ -135,10 +135,14 @@ class SharedCores:
 
     def _workers_cpu_seconds(self) -> float:
         """Return the CPU seconds the master's workers used, summed as it grows: a slot whose worker
-        was replaced starts again from its new worker's count."""
-        published = self._published()
+        was replaced starts again from its new worker's count. This worker's own count is read now:
+        its slot holds what take() last published, and the fused layers call take() once a forward,
+        so during a long prompt pass the slot lags by seconds of this worker's own work, which the
+        event loop (asking whether to gather) would otherwise count as another process's load."""
+        published = list(self._published())
+        published[self._slot] = self._process_seconds()
         self._workers_seconds += sum(max(0.0, now - before) for now, before in zip(published, self._seen, strict=True))
-        self._seen = published
+        self._seen = tuple(published)
         return self._workers_seconds
 
 

@@ -151,6 +151,21 @@ def test_whether_others_leave_a_core_follows_the_machines_load_measured_again_on
     assert not no_sharing(1).others_leave_a_core(), "a worker that cannot lend gathers nothing on lent cores"
 
 
+def test_a_long_forward_between_takes_is_not_counted_as_load_when_the_event_loop_asks():
+    """The fused layers call take() once a forward: during a prompt pass of seconds this worker's
+    published CPU time stands still while the machine's grows. Measured then (by the event loop
+    asking whether to gather), that must not read as another process's load, or the next forward
+    runs on one thread: a lone 850-token prompt took twice as long, served."""
+    clocks = Clocks()
+    worker, idle = clocks.view(new_table(), 0), clocks.view(new_table(), 1)
+    idle.release()
+    assert worker.take() == 2
+    for _ in range(5):  # one forward of a second on both cores, no take() meanwhile
+        clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=2.0, workers_cpus=(2.0, 0.0))
+        assert worker.others_leave_a_core(), "this worker's own forward is not another process's load"
+    assert worker.take() == 2, "the next forward keeps both cores"
+
+
 def test_a_sibling_that_just_went_idle_is_not_counted_as_load():
     """The table says at once that a sibling is idle; its CPU over the last window is not another
     process's load, so the first layer after it went idle already lends."""
