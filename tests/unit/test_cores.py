@@ -156,8 +156,8 @@ def test_a_long_forward_between_takes_is_not_counted_as_load_when_the_event_loop
     published CPU time stands still while the machine's grows. Measured then (by the event loop
     asking whether to gather), that must not read as another process's load, or the next forward
     runs on one thread: a lone 850-token prompt took twice as long, served."""
-    clocks = Clocks()
-    worker, idle = clocks.view(new_table(), 0), clocks.view(new_table(), 1)
+    clocks, shared = Clocks(), new_table()
+    worker, idle = clocks.view(shared, 0), clocks.view(shared, 1)
     idle.release()
     assert worker.take() == 2
     for _ in range(5):  # one forward of a second on both cores, no take() meanwhile
