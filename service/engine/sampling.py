@@ -82,6 +82,10 @@ def choice_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+# The ids a sampler's seen_ids holds before it first grows.
+SEEN_CAPACITY = 64
+
+
 @dataclass
 class Sampler:
     """Per-sequence sampling state: its seed, its position in the reply and the counts of tokens it produced.
@@ -97,8 +101,11 @@ class Sampler:
     seed: int = field(init=False)
     position: int = field(init=False, default=0)
     output_counts: torch.Tensor | None = field(init=False, default=None)
-    # Each token of the prompt and the reply once, in order of first sight (repetition_penalty only).
-    seen_ids: list[int] | None = field(init=False, default=None)
+    # Each token of the prompt and the reply once, in order of first sight (repetition_penalty only):
+    # the first seen_count entries of seen_ids, a tensor grown by doubling, so that a step reads them
+    # without building a tensor from a list of a long conversation's thousands of ids.
+    seen_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
+    seen_count: int = field(init=False, default=0)
     _seen: set[int] = field(init=False, default_factory=set, repr=False)
     # logit_bias as tensors, built once: the ids it moves and by how much.
     bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
@@ -115,8 +122,11 @@ class Sampler:
             self.bias_ids = torch.tensor(ids, dtype=torch.long)
             self.bias_values = torch.tensor(values, dtype=torch.float32)
         if self.params.repetition_penalty != 1.0:
-            self.seen_ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
-            self._seen.update(self.seen_ids)
+            ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
+            self.seen_ids = torch.zeros(max(SEEN_CAPACITY, 2 * len(ids)), dtype=torch.long)
+            self.seen_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+            self.seen_count = len(ids)
+            self._seen.update(ids)
 
     def uniform(self) -> float:
         """Return the uniform number in [0, 1) that draws the token at the current position."""
@@ -133,7 +143,10 @@ class Sampler:
             self.output_counts[token_id] += 1
         if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
             self._seen.add(token_id)
-            self.seen_ids.append(token_id)
+            if self.seen_count == self.seen_ids.shape[0]:
+                self.seen_ids = torch.cat([self.seen_ids, torch.zeros_like(self.seen_ids)])
+            self.seen_ids[self.seen_count] = token_id
+            self.seen_count += 1
 
 
 def biased(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
@@ -256,12 +269,12 @@ def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """Return the logits lowered by each row's repetition, then presence and frequency penalties (a new
     tensor where any apply), in the order vLLM applies them."""
-    repeated = [row for row, sampler in enumerate(samplers) if sampler.seen_ids]
+    repeated = [row for row, sampler in enumerate(samplers) if sampler.seen_count]
     if repeated:
         logits = logits.clone()
         for row in repeated:
             # Only the seen tokens change: a few hundred indexed values, not a pass over the vocabulary.
-            seen = torch.tensor(samplers[row].seen_ids)
+            seen = samplers[row].seen_ids[: samplers[row].seen_count]
             values = logits[row, seen]
             penalty = samplers[row].params.repetition_penalty
             logits[row, seen] = torch.where(values < 0, values * penalty, values / penalty)

@@ -9,6 +9,7 @@ from service.engine.sampling import (
     CANDIDATES,
     GREEDY_BELOW_TEMPERATURE,
     NO_TOKEN,
+    SEEN_CAPACITY,
     NonFiniteLogits,
     Sampler,
     SamplingParams,
@@ -201,6 +202,22 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert logits.tolist() == [[2.0, -2.0, 2.0, -2.0, 1.5]]  # the caller's logits are left as they were
     # Greedy takes the unseen token 4 once both 2.0s are halved.
     assert sample_tokens([sampler], logits) == [4]
+
+
+@pytest.mark.parametrize("prompt_ids", [[], list(range(SEEN_CAPACITY - 1)), list(range(SEEN_CAPACITY)),
+                                       list(range(3 * SEEN_CAPACITY + 1)) * 2])
+def test_the_seen_tokens_grow_past_their_first_room_and_stay_each_once_in_order(prompt_ids):
+    vocab = 8 * SEEN_CAPACITY
+    params = SamplingParams(max_tokens=5, temperature=0.0, repetition_penalty=2.0)
+    sampler = Sampler(params, vocab, prompt_ids=prompt_ids)
+    replied = [vocab - 1 - index for index in range(2 * SEEN_CAPACITY + 3)] + [0, vocab - 1, vocab + 5]
+    for token in replied:
+        sampler.record(token)  # repeats and ids beyond the vocabulary add nothing
+    expected = list(dict.fromkeys(token for token in prompt_ids + replied if token < vocab))
+    assert sampler.seen_ids[: sampler.seen_count].tolist() == expected
+    logits = torch.full((1, vocab), 2.0)
+    seen = set(expected)
+    assert penalized([sampler], logits)[0].tolist() == [1.0 if token in seen else 2.0 for token in range(vocab)]
 
 
 def test_logprobs_are_of_the_penalized_logits_over_the_temperature_before_top_k():
