@@ -119,10 +119,9 @@ class GunicornServer:
         children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
         return [int(pid) for pid in children.split()]
 
-    def log(self, last: int | None = None) -> str:
-        """Return what Gunicorn and the app logged so far (only its last `last` characters, if given)."""
-        text = self.log_path.read_text(errors="replace")
-        return text if last is None else text[-last:]
+    def log(self) -> str:
+        """Return what Gunicorn and the app logged so far, all of it."""
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Stop the master and return its exit code."""
