@@ -58,17 +58,13 @@ class MachineLoad:
         """Return the CPUs other processes used over the last window (measured again once it is over;
         the engine's thread and the worker's event loop both ask)."""
         with self._lock:
-            return self._measure()
-
-    def _measure(self) -> float:
-        """Measure again if the window is over; return the CPUs others used."""
-        now = self._clock()
-        began, busy, own = self._since
-        if now - began >= LOAD_WINDOW_SECONDS:
-            busy_now, own_now = self._busy_seconds(), self._own_seconds()
-            self._others = max(0.0, ((busy_now - busy) - (own_now - own)) / (now - began))
-            self._since = (now, busy_now, own_now)
-        return self._others
+            now = self._clock()
+            began, busy, own = self._since
+            if now - began >= LOAD_WINDOW_SECONDS:
+                busy_now, own_now = self._busy_seconds(), self._own_seconds()
+                self._others = max(0.0, ((busy_now - busy) - (own_now - own)) / (now - began))
+                self._since = (now, busy_now, own_now)
+            return self._others
 
 
 class SharedCores:
@@ -102,8 +98,7 @@ class SharedCores:
         self._publish()
         spare = self._cores - (sum(self._table[: self._slots]) - self._table[self._slot])
         if self._load is not None and spare > self._own:
-            # Round: a busy daemon's tenth of a CPU does not stop lending; half a CPU does.
-            spare = min(spare, round(self._cpus - self._load.others()))
+            spare = min(spare, self._cpus_others_leave())
         threads = max(self._own, min(spare, 255))
         if threads != self.threads:
             self._set_threads(threads)
@@ -113,7 +108,12 @@ class SharedCores:
 
     def others_leave_a_core(self) -> bool:
         """Tell whether other processes leave this worker a core to borrow now (from any thread)."""
-        return self.lends and (self._load is None or round(self._cpus - self._load.others()) > self._own)
+        return self.lends and (self._load is None or self._cpus_others_leave() > self._own)
+
+    def _cpus_others_leave(self) -> int:
+        """Return the CPUs processes other than the master's workers leave free. Rounded: a busy
+        daemon's tenth of a CPU does not stop lending; half a CPU does."""
+        return round(self._cpus - self._load.others())
 
     def release(self) -> None:
         """Hold no core (the engine has nothing to do) and fall back to this worker's own threads."""
