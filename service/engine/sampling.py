@@ -105,7 +105,6 @@ class Sampler:
     # the first seen_count entries of seen_ids, a tensor grown by doubling, so that a step reads them
     # without building a tensor from a list of a long conversation's thousands of ids.
     seen_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
-    seen_count: int = field(init=False, default=0)
     _seen: set[int] = field(init=False, default_factory=set, repr=False)
     # logit_bias as tensors, built once: the ids it moves and by how much.
     bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
@@ -125,8 +124,12 @@ class Sampler:
             ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
             self.seen_ids = torch.zeros(max(SEEN_CAPACITY, 2 * len(ids)), dtype=torch.long)
             self.seen_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-            self.seen_count = len(ids)
             self._seen.update(ids)
+
+    @property
+    def seen_count(self) -> int:
+        """Return how many of seen_ids' entries are tokens seen (0 without repetition_penalty)."""
+        return len(self._seen)
 
     def uniform(self) -> float:
         """Return the uniform number in [0, 1) that draws the token at the current position."""
@@ -142,11 +145,10 @@ class Sampler:
         if self.output_counts is not None and token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
         if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
-            self._seen.add(token_id)
-            if self.seen_count == self.seen_ids.shape[0]:
+            if len(self._seen) == self.seen_ids.shape[0]:
                 self.seen_ids = torch.cat([self.seen_ids, torch.zeros_like(self.seen_ids)])
-            self.seen_ids[self.seen_count] = token_id
-            self.seen_count += 1
+            self.seen_ids[len(self._seen)] = token_id
+            self._seen.add(token_id)
 
 
 def biased(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor:
