@@ -12,6 +12,7 @@ Nothing here imports torch or the service's engine, so a benchmark's client stay
 
 from harness.client import (
     COUNTING,
+    NO_END_OF_TURN,
     StreamingClient,
     StreamResult,
     chat,
@@ -36,7 +37,8 @@ from harness.servers import REPO, TINY_MODEL_DIR, GunicornServer, RedisServer, f
 from harness.sse import DONE, sse_payload, sse_payloads, sse_stream
 
 __all__ = [
-    "COUNTING", "DONE", "REPO", "TINY_MODEL_DIR", "GunicornServer", "RedisServer", "StreamResult", "StreamingClient",
+    "COUNTING", "DONE", "NO_END_OF_TURN", "REPO", "TINY_MODEL_DIR", "GunicornServer", "RedisServer", "StreamResult",
+    "StreamingClient",
     "anonymous_megabytes", "chat", "concurrent_streams", "cpu_ticks_by_thread", "file_mappings", "finished_by_worker",
     "free_port", "hang_up_all", "memory_of", "parse_first_token_timings", "parse_samples", "processes_of",
     "ready_facts", "scrape", "send_until_every_worker_served", "short_chat", "sse_payload", "sse_payloads",

@@ -14,6 +14,9 @@ from harness.sse import DONE, sse_payload, sse_stream
 
 # A prompt the tiny model answers at any length: the end-to-end tests' default.
 COUNTING = [{"role": "user", "content": "Count to a thousand, slowly."}]
+# logit_bias forbidding Qwen2's end-of-text and end-of-turn tokens: a random model's reply, which may
+# end at any token, then runs to its max_tokens.
+NO_END_OF_TURN = {"151643": -100, "151645": -100}
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
 
 

@@ -29,11 +29,10 @@ sys.path.insert(0, str(REPO))
 from bench import save_results, start_corechat  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from bench.versus import short  # noqa: E402
-from harness import stream_chat  # noqa: E402
+from harness import NO_END_OF_TURN, stream_chat  # noqa: E402
 
 SAMPLES_PER_SECOND = 2000
-# Qwen2's end-of-text and end-of-turn tokens: forbidden, so a random model's reply runs to max_tokens.
-NO_END = {"logit_bias": {"151643": -100, "151645": -100}}
+NO_END = {"logit_bias": NO_END_OF_TURN}
 PLACES = ["products", "attention", "corechat's other operators", "OpenMP (waits, hand-offs)", "Python interpreter",
           "torch (dispatch, other operators)", "libc (malloc, copies)", "Linux kernel", "idle", "other"]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness import COUNTING, chat, cpu_ticks_by_thread, ready_facts
+from harness import COUNTING, NO_END_OF_TURN, chat, cpu_ticks_by_thread, ready_facts
 from service.engine.cores import busy_cpu_seconds
 from service.settings import Settings
 from service.topology import physical_cores
@@ -61,9 +61,8 @@ def start_stream(server, index: int, until: bytes) -> socket.socket:
     free: the replies wait in the kernel's buffers instead, and end when the socket closes.
     """
     messages = [{**COUNTING[0], "content": f"{COUNTING[0]['content']} ({index})"}]
-    # No end of turn (<|endoftext|>, <|im_end|>): every stream runs its max_tokens.
     payload = json.dumps({"messages": messages, "max_tokens": 1000, "temperature": 0, "stream": True,
-                          "logit_bias": {"151643": -100, "151645": -100}}).encode()
+                          "logit_bias": NO_END_OF_TURN}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Cache-Control: no-cache\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))

@@ -12,7 +12,16 @@ import pytest
 import requests
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from harness import COUNTING, chat, ready_facts, scrape, send_until_every_worker_served, value, wait_for_samples
+from harness import (
+    COUNTING,
+    NO_END_OF_TURN,
+    chat,
+    ready_facts,
+    scrape,
+    send_until_every_worker_served,
+    value,
+    wait_for_samples,
+)
 
 STREAMS = 4
 
@@ -30,8 +39,9 @@ class OpenStreams:
             requests.post(
                 f"{server.url}/v1/chat/completions",
                 # Longer than a test waits for them even on a loaded machine (4,000 tokens took under
-                # 30 s, and a stream that ended early left no live gauge to check).
-                json={"messages": COUNTING, "max_tokens": 15_000, "temperature": 0, "stream": True},
+                # 30 s), and never ended early by an end-of-turn token: such a stream left no live gauge.
+                json={"messages": COUNTING, "max_tokens": 15_000, "temperature": 0, "stream": True,
+                      "logit_bias": NO_END_OF_TURN},
                 # Identical greedy streams would share one generation through the cache.
                 headers={"Connection": "close", "Cache-Control": "no-cache"},
                 stream=True,
