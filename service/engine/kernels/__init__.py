@@ -116,7 +116,8 @@ def virtualenv_dir() -> Path:
     return Path(sys.prefix) / "lib" / "corechat-kernels"
 
 
-def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(build_dir: Path, sets: list[InstructionSet],
+                      source_dir: Path = SOURCE_DIR) -> tuple[list[list[str]], list[str]]:
     """Return the compile command of each object file and the link command."""
     torch_dir = Path(torch.__file__).resolve().parent
     # A build is this CPU's (build_key): the reference and the operators' element-wise loops (norms,
@@ -132,7 +133,7 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list
     compiles, objects = [], []
     for source, flags in units:
         target = build_dir / (Path(source).stem + ".o")
-        compiles.append([COMPILER, *COMMON_FLAGS, *flags, "-c", str(SOURCE_DIR / source), "-o", str(target)])
+        compiles.append([COMPILER, *COMMON_FLAGS, *flags, "-c", str(source_dir / source), "-o", str(target)])
         objects.append(str(target))
     library_dir = torch_dir / "lib"
     link = [COMPILER, "-shared", *objects, "-o", str(build_dir / LIBRARY_NAME), f"-L{library_dir}", *LINK_LIBRARIES,
@@ -140,16 +141,18 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet]) -> tuple[list
     return compiles, link
 
 
-def build(target: Path, sets: list[InstructionSet], timeout_seconds: float = BUILD_TIMEOUT_SECONDS) -> None:
+def build(target: Path, sets: list[InstructionSet], timeout_seconds: float = BUILD_TIMEOUT_SECONDS,
+          source_dir: Path = SOURCE_DIR) -> None:
     """Compile the sources (in parallel) into target/LIBRARY_NAME, replacing it atomically; a build
-    that takes longer than timeout_seconds is killed and fails."""
+    that takes longer than timeout_seconds is killed and fails. source_dir holds the sources (another
+    revision's, renamed, for bench/probes/kernel_ab.py)."""
     target.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_seconds
     too_slow = KernelBuildFailed(f"building corechat's kernels took more than {timeout_seconds:g} s and was "
                                  f"stopped; is {COMPILER} hanging?")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as scratch:
         scratch_dir = Path(scratch)
-        compiles, link = _compile_commands(scratch_dir, sets)
+        compiles, link = _compile_commands(scratch_dir, sets, source_dir)
         processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for command in compiles]
         failures = []
         try:

@@ -1,0 +1,137 @@
+"""Time the working tree's products against another revision's, in one process, taking turns.
+
+`python bench/probes/kernel_ab.py --against REV [--rows 1 2 8] [--formats int8 int4] [--path best]
+[--threads 2] [--rounds 20]` builds the kernel sources of git revision REV with their operators
+renamed (torch.ops.corechat_b), loads them beside the working tree's (torch.ops.corechat), and
+runs one decode step's products of the 0.5B dev model's shapes (bench/probes/kernel_probe.py: 24
+layers and the output layer, random weights, each its own memory) with each library in turn, the
+order alternating round by round. A change to a kernel is then judged by the ratio of the two
+step times taken moments apart on the same weights, which a shared machine's drift moves far less
+than two runs' absolute figures. It first checks that both give the same bits (every path must),
+prints a table and writes bench/results/<machine>/kernel-ab.json and .md with the CPU, date and
+both revisions.
+"""
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench import CACHE_DIR, save_results  # noqa: E402
+from bench.probes.kernel_probe import HIDDEN, INTERMEDIATE, random_weight, step_shapes  # noqa: E402
+from service.engine import kernels  # noqa: E402
+from service.engine.quantized import FORMATS, quantize_int4, quantize_int8  # noqa: E402
+from service.settings import Settings  # noqa: E402
+
+SOURCES = "service/engine/kernels/csrc"
+RENAMED = "corechat_b"
+QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def renamed_source(text: str) -> str:
+    """Return kernel source with its C++ namespace and torch operator library named RENAMED instead of corechat."""
+    text = re.sub(r"\bnamespace corechat\b", f"namespace {RENAMED}", text)
+    text = re.sub(r"\bcorechat::", f"{RENAMED}::", text)
+    return re.sub(r"\b(TORCH_LIBRARY(?:_FRAGMENT|_IMPL)?)\(corechat\b", rf"\1({RENAMED}", text)
+
+
+def git(*arguments: str) -> str:
+    """Run git in the repository; return its output."""
+    return subprocess.run(["git", "-C", str(REPO), *arguments], capture_output=True, text=True, check=True).stdout
+
+
+def build_revision(revision: str) -> tuple[str, Path]:
+    """Build a revision's kernels renamed (once per commit); return its commit and the library."""
+    commit = git("rev-parse", "--short", f"{revision}^{{commit}}").strip()
+    folder = CACHE_DIR / "kernel-ab" / commit
+    library = folder / "build" / kernels.LIBRARY_NAME
+    if not library.is_file():
+        source_dir = folder / "src"
+        source_dir.mkdir(parents=True, exist_ok=True)
+        for path in git("ls-tree", "--name-only", f"{commit}:{SOURCES}").split():
+            (source_dir / path).write_text(renamed_source(git("show", f"{commit}:{SOURCES}/{path}")))
+        kernels.build(folder / "build", kernels.instruction_sets(kernels.cpu_flags()), source_dir=source_dir)
+    return commit, library
+
+
+def step_weights(fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Return one decode step's quantized weights (weight, scales, outputs, inputs), each its own memory."""
+    generator = torch.Generator().manual_seed(0)
+    return [(*QUANTIZE[fmt](random_weight(outputs, inputs, generator)), outputs, inputs)
+            for outputs, inputs in step_shapes()]
+
+
+def run_step(operator, fmt: str, weights, activations: dict[int, torch.Tensor], path: int) -> list[torch.Tensor]:
+    """Multiply every weight of a step by the activations of its width with one library's operator."""
+    code = FORMATS[fmt].code
+    return [operator(activations[inputs], weight, scales, None, code, outputs, False, path)
+            for weight, scales, outputs, inputs in weights]
+
+
+def compare(fmt: str, rows: int, rounds: int, path: int) -> dict:
+    """Time a step's products with both libraries in turns; return their median times and the ratios."""
+    weights = step_weights(fmt)
+    generator = torch.Generator().manual_seed(rows)
+    activations = {width: torch.randn(rows, width, generator=generator).to(torch.bfloat16)
+                   for width in (HIDDEN, INTERMEDIATE)}
+    operators = {"tree": torch.ops.corechat.quantized_linear, "against": getattr(torch.ops, RENAMED).quantized_linear}
+    outputs = {name: run_step(operator, fmt, weights, activations, path) for name, operator in operators.items()}
+    same_bits = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                    for a, b in zip(outputs["tree"], outputs["against"], strict=True))
+    seconds = {name: [] for name in operators}
+    for round_number in range(rounds):
+        for name in (list(operators) if round_number % 2 == 0 else list(operators)[::-1]):
+            began = time.perf_counter()
+            run_step(operators[name], fmt, weights, activations, path)
+            seconds[name].append(time.perf_counter() - began)
+    ratios = [tree / against for tree, against in zip(seconds["tree"], seconds["against"], strict=True)]
+    quartiles = statistics.quantiles(ratios, n=4)
+    return {"format": fmt, "rows": rows, "same_bits": same_bits,
+            "weight_bytes": sum(w.numel() * w.element_size() + s.numel() * s.element_size() for w, s, _, _ in weights),
+            "median_seconds": {name: statistics.median(values) for name, values in seconds.items()},
+            "ratio_median": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]]}
+
+
+def main() -> None:
+    """Build the other revision's kernels, time both round by round, and report the ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default="HEAD", help="the git revision to compare the working tree with")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8])
+    parser.add_argument("--formats", nargs="+", choices=sorted(QUANTIZE), default=["int8", "int4"])
+    parser.add_argument("--path", choices=sorted(kernels.PATHS), default="best", help="the kernel path both run")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels.load(Path(Settings().kernels_dir))
+    commit, library = build_revision(args.against)
+    torch.ops.load_library(str(library))
+    path = kernels.PATHS[args.path]
+    results = [compare(fmt, rows, args.rounds, path) for fmt in args.formats for rows in args.rows]
+    lines = ["| format | rows | working tree | " + commit + " | tree / " + commit + " (median, quartiles) | same bits |",
+             "|---|---|---|---|---|---|"]
+    for result in results:
+        cells = []
+        for name in ("tree", "against"):
+            seconds = result["median_seconds"][name]
+            cells.append(f"{seconds * 1e3:.2f} ms, {result['weight_bytes'] / seconds / 1e9:.1f} GB/s")
+        low, high = result["ratio_quartiles"]
+        lines.append(f"| {result['format']} | {result['rows']} | {cells[0]} | {cells[1]} | "
+                     f"{result['ratio_median']:.3f} ({low:.3f}-{high:.3f}) | {'yes' if result['same_bits'] else 'NO'} |")
+    table = (f"## One decode step's products, working tree against {commit}: path {args.path}, {args.threads} "
+             f"thread(s), {args.rounds} alternating rounds (a ratio below 1: the working tree is faster)\n\n"
+             + "\n".join(lines) + "\n")
+    save_results("kernel-ab", {"against": commit, "path": args.path, "threads": args.threads, "rounds": args.rounds,
+                               "comparisons": results}, table)
+
+
+if __name__ == "__main__":
+    main()
