@@ -231,10 +231,10 @@ class Settings(BaseSettings):
         description="Where DTYPE=int8 or int4 writes its converted weights, and every DTYPE keeps the weight "
         "files' hashes (the model's fingerprint), when the model folder is read-only.",
     )
-    kernel_path: Literal["best", "avx512_vnni", "avx2", "reference"] = Field(
+    kernel_path: Literal["best", "amx", "avx512_vnni", "avx2", "reference"] = Field(
         "best", description="The kernels' instruction-set path: best (the best this CPU runs), or one it runs "
-        "(avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs). Every path gives the same bits; a worker whose "
-        "CPU lacks the path fails to start."
+        "(avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs; amx is avx512_vnni with a prompt's products on "
+        "the tile unit). Every path gives the same bits; a worker whose CPU lacks the path fails to start."
     )
     kernels_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "kernels"),

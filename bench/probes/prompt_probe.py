@@ -3,11 +3,12 @@ against the path's peak multiply-add rate.
 
 `python bench/probes/prompt_probe.py [--threads 1] [--rounds 5] [--formats int8 int4]` multiplies one
 decoder layer's product shapes of the 0.5B dev model (q, k, v, o, gate, up, down; random weights)
-by 1, 2, 128 and 512 rows of activations on each path (`avx2`, and `avx512_vnni` where the CPU
-has it), keeps each path's best round and reports multiply-adds per second, and that as a fraction
-of the path's peak: torch.ops.corechat.peak_multiply_adds, the path's multiply-add instructions
-alone on independent registers (512-bit vpdpbusd on avx512_vnni; the product's maddubs, madd and
-add on avx2), on as many threads. A prompt pass is these products at 128 rows
+by 1, 2, 128 and 512 rows of activations on each path (`avx2`, and `avx512_vnni` and `amx` where
+the CPU has them), keeps each path's best round and reports multiply-adds per second, and that as a
+fraction of the path's peak: torch.ops.corechat.peak_multiply_adds, the path's multiply-add
+instructions alone on independent registers (512-bit vpdpbusd on avx512_vnni; the product's
+maddubs, madd and add on avx2; on amx, tdpbssd of the product's shape, 16 rows x 16 outputs x 32
+inputs, into four tiles), on as many threads. A prompt pass is these products at 128 rows
 (PREFILL_CHUNK_TOKENS) plus attention. It prints a table and writes bench/results/<machine>/<name>.json and
 .md, with the CPU, date and commit.
 """
@@ -65,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kernels.load()
     generator = torch.Generator().manual_seed(0)
-    paths = [path for path in ("avx2", "avx512_vnni") if path in kernels.available_paths()]
+    paths = [path for path in ("avx2", "avx512_vnni", "amx") if path in kernels.available_paths()]
     peaks = {path: peak(path, args.threads, args.rounds) for path in paths}
     multiply_adds = sum(outputs * inputs for outputs, inputs in LAYER_SHAPES)
     figures = {}

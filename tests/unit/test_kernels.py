@@ -3,7 +3,8 @@ against float math, and a row's result against the rows that share its call (att
 test_attention.py).
 
 The library is the one `make setup` built for this CPU (built here if missing). Paths this CPU
-cannot run (AVX-512 VNNI on an AVX2 machine) are compiled but not run; the report says which.
+cannot run (AVX-512 VNNI on an AVX2 machine, AMX without AMX-INT8) are compiled but not run. The
+AMX path takes 16 rows at a time: ROWS' prompt chunks (63 to 130 rows) run it, with a remainder.
 """
 
 import fcntl
@@ -343,22 +344,35 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
     assert ((restored_groups - groups).abs() <= bound).all()
 
 
-def test_avx512_vnni_path_compiles():
-    """The VNNI path cannot run on every CI machine, but it must always compile."""
-    commands, _ = kernels._compile_commands(Path("/tmp"), [kernels.AVX512_VNNI])
-    command = next(command for command in commands if command[-3].endswith("avx512_vnni.cpp"))
+@pytest.mark.parametrize("isa", [kernels.AVX512_VNNI, kernels.AMX], ids=["avx512_vnni", "amx"])
+def test_every_path_compiles(isa):
+    """The VNNI and AMX paths cannot run on every CI machine, but they must always compile."""
+    commands, _ = kernels._compile_commands(Path("/tmp"), [isa])
+    command = next(command for command in commands if command[-3].endswith(isa.source))
     subprocess.run([*command[:-2], "-o", "/dev/null"], check=True)
+
+
+def test_a_cpu_with_amx_runs_the_amx_path():
+    """Where the CPU reports AMX-INT8, the library is built with the tile path and Linux grants the tile
+    registers: a prompt's products run there, not on AVX-512 VNNI."""
+    if not {"amx_tile", "amx_int8"} <= kernels.cpu_flags():
+        assert "amx" not in kernels.available_paths()
+        return
+    assert kernels.available_paths()[-1] == "amx"
 
 
 def test_builds_are_keyed_by_the_cpus_instruction_sets():
     """A virtualenv moved to a CPU without AVX2 (or with VNNI) looks for, and builds, another library."""
     avx2_only = {"avx2", "fma", "f16c"}
     with_vnni = avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    with_amx = with_vnni | {"amx_tile", "amx_int8"}
     assert [isa.name for isa in kernels.instruction_sets(set())] == []
     assert [isa.name for isa in kernels.instruction_sets(avx2_only)] == ["avx2"]
     assert [isa.name for isa in kernels.instruction_sets(with_vnni)] == ["avx2", "avx512_vnni"]
-    keys = {kernels.build_key(kernels.instruction_sets(flags)) for flags in (set(), avx2_only, with_vnni)}
-    assert len(keys) == 3
+    assert [isa.name for isa in kernels.instruction_sets(with_amx)] == ["avx2", "avx512_vnni", "amx"]
+    assert [isa.name for isa in kernels.instruction_sets(avx2_only | {"amx_tile", "amx_int8"})] == ["avx2"]
+    keys = {kernels.build_key(kernels.instruction_sets(flags)) for flags in (set(), avx2_only, with_vnni, with_amx)}
+    assert len(keys) == 4
 
 
 def fake_compiler(folder: Path, version: str, compiling: str = "exit 1") -> Path:

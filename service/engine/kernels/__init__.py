@@ -56,9 +56,16 @@ AVX512_VNNI = InstructionSet(
     AVX2.compiler_flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
     "avx512_vnni.cpp",
 )
-INSTRUCTION_SETS = (AVX2, AVX512_VNNI)
+# AVX-512 VNNI's kernels with the prompt products' integer sums on the tile unit (amx.cpp).
+AMX = InstructionSet(
+    "amx",
+    AVX512_VNNI.cpu_flags + ("amx_tile", "amx_int8"),
+    AVX512_VNNI.compiler_flags + ("-mamx-tile", "-mamx-int8"),
+    "amx.cpp",
+)
+INSTRUCTION_SETS = (AVX2, AVX512_VNNI, AMX)
 # Numbers of torch.ops.corechat.quantized_linear's `path` argument.
-PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3}
+PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3, "amx": 4}
 # A build runs while every worker of the host waits for it: a g++ that hangs must fail the build,
 # not the whole service, and a builder that hangs where no timeout reaches must not hold the others
 # forever. The bounds are far above a build's time on a small machine.

@@ -18,7 +18,7 @@
 // of their integer sums).
 //
 // The helpers defined here are compiled into source files built for different instruction sets
-// (reference.cpp for any x86-64, avx2.cpp, avx512_vnni.cpp). They live
+// (reference.cpp for any x86-64, avx2.cpp, avx512_vnni.cpp, amx.cpp). They live
 // in an unnamed namespace, so each file keeps its own copy: as plain `inline` functions they would
 // be one function to the linker, which would keep one file's copy (an AVX-512 one, say) for all of
 // them, the reference's included.
@@ -103,6 +103,7 @@ using MatmulKernel = void (*)(const QuantizedRows& x, const Weights& w, const fl
 void matmul_reference(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_avx2(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
+void matmul_amx(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 
 // Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's arrays.
 void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
@@ -135,8 +136,10 @@ struct PagedAttention {
 };
 
 // The peak-rate probes: `iterations` rounds of a path's multiply-add instructions alone (avx512:
-// kPeakLanesAvx512 x 64 multiply-adds a round, avx2: kPeakLanesAvx2 x 32).
+// kPeakLanesAvx512 x 64 multiply-adds a round, avx2: kPeakLanesAvx2 x 32, amx: kPeakAmx).
 constexpr int kPeakLanesAvx512 = 12, kPeakLanesAvx2 = 5;
+constexpr int64_t kPeakAmx = 4 * 16 * 16 * kBlock;
+int64_t peak_loop_amx(int64_t iterations);
 int64_t peak_loop_avx512(int64_t iterations);
 int64_t peak_loop_avx2(int64_t iterations);
 

@@ -8,7 +8,10 @@
 #include <torch/library.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -30,7 +33,7 @@ namespace {
 // pool costs more than it saves.
 constexpr int64_t kParallelBytes = 1 << 18;
 
-enum Path : int64_t { kBest = 0, kReference = 1, kAvx2 = 2, kAvx512Vnni = 3 };
+enum Path : int64_t { kBest = 0, kReference = 1, kAvx2 = 2, kAvx512Vnni = 3, kAmx = 4 };
 
 bool cpu_has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -41,6 +44,22 @@ bool cpu_has_avx512_vnni() {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && cpu_has_avx2();
 }
 
+#ifdef CORECHAT_WITH_AMX
+// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25), and Linux's leave to use the tile
+// registers, which a process must ask for once (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA) before
+// its first tile instruction: without it that instruction kills the process.
+bool cpu_has_amx() {
+    static const bool granted = [] {
+        unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+        if (!(edx & (1u << 24)) || !(edx & (1u << 25)) || !cpu_has_avx512_vnni()) return false;
+        constexpr long kRequestPermission = 0x1023, kTileData = 18;
+        return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    }();
+    return granted;
+}
+#endif
+
 // The paths this library was built with and this CPU runs, best last.
 std::vector<Path> available_paths() {
     std::vector<Path> paths = {kReference};
@@ -50,6 +69,9 @@ std::vector<Path> available_paths() {
 #ifdef CORECHAT_WITH_AVX512_VNNI
     if (cpu_has_avx512_vnni()) paths.push_back(kAvx512Vnni);
 #endif
+#ifdef CORECHAT_WITH_AMX
+    if (cpu_has_amx()) paths.push_back(kAmx);
+#endif
     return paths;
 }
 
@@ -58,6 +80,7 @@ const char* path_name(Path path) {
         case kReference: return "reference";
         case kAvx2: return "avx2";
         case kAvx512Vnni: return "avx512_vnni";
+        case kAmx: return "amx";
         default: return "best";
     }
 }
@@ -77,6 +100,9 @@ Path resolve(int64_t requested) {
 
 MatmulKernel select_matmul(int64_t requested) {
     switch (resolve(requested)) {
+#ifdef CORECHAT_WITH_AMX
+        case kAmx: return matmul_amx;
+#endif
 #ifdef CORECHAT_WITH_AVX512_VNNI
         case kAvx512Vnni: return matmul_avx512_vnni;
 #endif
@@ -90,7 +116,7 @@ MatmulKernel select_matmul(int64_t requested) {
 // torch.ops.corechat.use_path: make `best` mean this path (0: the best this CPU runs again); return
 // its name. Every path gives the same bits: a choice changes speed only.
 std::string use_path(int64_t path) {
-    TORCH_CHECK(path >= kBest && path <= kAvx512Vnni, "no kernel path ", path);
+    TORCH_CHECK(path >= kBest && path <= kAmx, "no kernel path ", path);
     chosen_path = kBest;
     const Path resolved = resolve(path);
     chosen_path = path;
@@ -232,6 +258,7 @@ namespace {
 AttendKernel select_attend(int64_t requested) {
     switch (resolve(requested)) {
 #ifdef CORECHAT_WITH_AVX512_VNNI
+        case kAmx:  // the tile unit serves products only
         case kAvx512Vnni: return attend_avx512;
 #endif
 #ifdef CORECHAT_WITH_AVX2
@@ -336,10 +363,13 @@ int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
     TORCH_CHECK(iterations > 0 && threads > 0, "iterations and threads must be positive");
     static const std::vector<Path> paths = available_paths();
     TORCH_CHECK(std::find(paths.begin(), paths.end(), static_cast<Path>(path)) != paths.end() &&
-                (path == kAvx2 || path == kAvx512Vnni), "the peak probe runs the avx2 or avx512_vnni path of this CPU");
+                path != kReference, "the peak probe runs a SIMD path of this CPU");
     std::atomic<int64_t> checksum{0};
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
         for (int64_t thread = begin; thread < end; ++thread) {
+#ifdef CORECHAT_WITH_AMX
+            if (path == kAmx) checksum += peak_loop_amx(iterations);
+#endif
 #ifdef CORECHAT_WITH_AVX512_VNNI
             if (path == kAvx512Vnni) checksum += peak_loop_avx512(iterations);
 #endif
@@ -349,7 +379,8 @@ int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
         }
     });
     TORCH_CHECK(checksum.load() != 0, "the peak probe did no work");
-    return threads * iterations * (path == kAvx512Vnni ? kPeakLanesAvx512 * 64 : kPeakLanesAvx2 * 32);
+    const int64_t per_round = path == kAmx ? kPeakAmx : path == kAvx512Vnni ? kPeakLanesAvx512 * 64 : kPeakLanesAvx2 * 32;
+    return threads * iterations * per_round;
 }
 
 // The index of a row's first largest value, as torch.argmax chooses for a row without NaN: each lane
