@@ -58,7 +58,9 @@ def build_revision(revision: str) -> tuple[str, Path]:
         source_dir.mkdir(parents=True, exist_ok=True)
         for path in git("ls-tree", "--name-only", f"{commit}:{SOURCES}").split():
             (source_dir / path).write_text(renamed_source(git("show", f"{commit}:{SOURCES}/{path}")))
-        kernels.build(folder / "build", kernels.instruction_sets(kernels.cpu_flags()), source_dir=source_dir)
+        # This CPU's paths that the revision has sources for (a revision before the AMX path has no amx.cpp).
+        sets = [isa for isa in kernels.instruction_sets(kernels.cpu_flags()) if (source_dir / isa.source).is_file()]
+        kernels.build(folder / "build", sets, source_dir=source_dir)
     return commit, library
 
 
