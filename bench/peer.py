@@ -59,6 +59,11 @@ ISA_OPTIONS = {
     "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"),
 }
+# On a CPU with AMX-INT8 this llama.cpp's AMX products (ggml-cpu/amx) crash llama-server at its
+# warm-up (a segfault in ggml_backend_amx_mul_mat, seen on an Intel Xeon here; llama.cpp issue
+# #20824, closed without a fix): a native build there is compiled without AMX, keeping every other
+# path, its repacked q4_0 and q8_0 among them, and its folder says so.
+WITHOUT_AMX = tuple(f"-DCMAKE_{language}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for language in ("C", "CXX"))
 
 
 def progress(message: str) -> None:
@@ -108,12 +113,22 @@ class Toolchain:
         return self.server.is_file() and self.quantize.is_file()
 
 
+def leaves_out_amx(isa: str, cpuinfo: str) -> bool:
+    """Tell whether a build for ISA_OPTIONS[isa] on this CPU is compiled WITHOUT_AMX."""
+    return isa == "native" and "amx_int8" in cpuinfo.split()
+
+
+def cmake_isa_options(isa: str, cpuinfo: str) -> tuple[str, ...]:
+    """Return the instruction-set options of a build for ISA_OPTIONS[isa] on this CPU."""
+    return (*ISA_OPTIONS[isa], *(WITHOUT_AMX if leaves_out_amx(isa, cpuinfo) else ()))
+
+
 def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
     """Return where the given sdist's llama.cpp is (or will be) unpacked and built on this CPU (with ISA_OPTIONS[isa])."""
-    key = cpu_flags_key(Path("/proc/cpuinfo").read_text())
-    suffix = "" if isa == "native" else f"-{isa}"
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    suffix = ("" if isa == "native" else f"-{isa}") + ("-no-amx" if leaves_out_amx(isa, cpuinfo) else "")
     return Toolchain(source=root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp",
-                     build=root / f"build-{version}-{key}{suffix}")
+                     build=root / f"build-{version}-{cpu_flags_key(cpuinfo)}{suffix}")
 
 
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
@@ -127,7 +142,8 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: s
         with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
             sdist.extractall(root, filter="data")
 
-    return build_once(toolchain_for(version, root, isa), root, download, (*CMAKE_OPTIONS, *ISA_OPTIONS[isa]),
+    return build_once(toolchain_for(version, root, isa), root, download,
+                      (*CMAKE_OPTIONS, *cmake_isa_options(isa, Path("/proc/cpuinfo").read_text())),
                       f"{', '.join(BUILD_TARGETS)} (about 10 minutes on two cores)")
 
 

@@ -132,3 +132,17 @@ def test_the_table_names_the_peer_that_ran():
     assert "| decode, one stream (tok/s) | 50.0 | 40.0 | 1.25x |" in table
     assert "ik_llama.cpp: 8337e4cd3861, served with --webui none --jinja -rtr." in table
     assert " llama.cpp q8_0" not in table.replace("ik_llama.cpp", "")
+
+
+def test_a_native_build_on_a_cpu_with_amx_leaves_amx_out():
+    """llama.cpp's AMX products crash its server on an AMX CPU: there a native build is compiled without AMX
+    (the compiler's -mno-amx-* outrank -march=native); elsewhere, and with --isa avx2, nothing changes."""
+    from bench.peer import ISA_OPTIONS, WITHOUT_AMX, cmake_isa_options, leaves_out_amx
+
+    with_amx = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16\n"
+    without = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
+    assert leaves_out_amx("native", with_amx) and cmake_isa_options("native", with_amx) == (*ISA_OPTIONS["native"],
+                                                                                           *WITHOUT_AMX)
+    assert not leaves_out_amx("native", without) and cmake_isa_options("native", without) == ISA_OPTIONS["native"]
+    assert cmake_isa_options("avx2", with_amx) == ISA_OPTIONS["avx2"]
+    assert all("-mno-amx-int8" in option for option in WITHOUT_AMX)
