@@ -22,6 +22,7 @@ from harness import (
     value,
     wait_for_samples,
 )
+from tests.support import wait_until
 
 STREAMS = 4
 
@@ -53,20 +54,39 @@ class OpenStreams:
 
     @classmethod
     def on_every_worker(cls, server, most: int = 12) -> "OpenStreams":
-        """Open streams one at a time until every worker generates one.
+        """Open one stream on every worker, and no more.
 
-        The kernel decides which worker accepts a connection, so a fixed number of streams may all
-        land on one worker; this keeps opening (up to `most`) until each has one running.
+        The kernel decides which worker accepts a connection, so streams are opened one at a time
+        (up to `most`), and one that lands on a worker that has one already, where it waits, is
+        closed before the next: a stream left waiting would start once the first one's generation
+        ends, unread (the tiny model writes its 15,000 tokens within a test on a fast CPU), and count
+        as a third running request.
         """
         streams = cls(server, 0)
-        while len(streams.responses) < most:
-            streams.responses += cls(server, 1).responses
+        served: set[int] = set()
+        for _ in range(most):
+            opened = cls(server, 1).responses[0]
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
+            while True:
                 facts = ready_facts(server)
-                if len(facts) == server.workers and all(worker["running"] >= 1 for worker in facts.values()):
-                    return streams
+                landed = [pid for pid, worker in facts.items()
+                          if pid not in served and worker["running"] + worker["waiting"] >= 1]
+                if landed:
+                    served.add(landed[0])
+                    streams.responses.append(opened)
+                    break
+                if any(worker["waiting"] >= 1 for pid, worker in facts.items() if pid in served):
+                    opened.close()
+                    assert wait_until(lambda: all(worker["waiting"] == 0 for worker in ready_facts(server).values()),
+                                      timeout=10), "a closed stream still waits"
+                    break
+                if time.monotonic() > deadline:
+                    opened.close()
+                    streams.close()
+                    raise AssertionError(f"a stream reached no worker: {facts}")
                 time.sleep(0.1)
+            if len(served) == server.workers:
+                return streams
         streams.close()
         raise AssertionError(f"{most} streams did not reach every worker: {facts}")
 
@@ -240,7 +260,8 @@ def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
     streams = OpenStreams.on_every_worker(server)
     try:
         wait_for_samples(server, lambda samples: value(samples, "corechat_requests_running") == 2)
-        victim = next(pid for pid, facts in ready_facts(server).items() if facts["running"] == 1)
+        # Each worker has one stream, generating or (its tokens all made) waiting to be read.
+        victim = next(iter(ready_facts(server)))
         os.kill(victim, signal.SIGKILL)
         server.wait_ready()
     finally:
