@@ -8,8 +8,8 @@ layers and the output layer, random weights, each its own memory) with each libr
 order alternating round by round. A change to a kernel is then judged by the ratio of the two
 step times taken moments apart on the same weights, which a shared machine's drift moves far less
 than two runs' absolute figures. It first checks that both give the same bits (every path must),
-prints a table and writes bench/results/<machine>/kernel-ab.json and .md with the CPU, date and
-both revisions.
+prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default kernel-ab)
+with the CPU, date and both revisions.
 """
 
 import argparse
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--path", choices=sorted(kernels.PATHS), default="best", help="the kernel path both run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--name", default="kernel-ab", help="the results files' name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels.load(Path(Settings().kernels_dir))
@@ -131,7 +132,7 @@ def main() -> None:
     table = (f"## One decode step's products, working tree against {commit}: path {args.path}, {args.threads} "
              f"thread(s), {args.rounds} alternating rounds (a ratio below 1: the working tree is faster)\n\n"
              + "\n".join(lines) + "\n")
-    save_results("kernel-ab", {"against": commit, "path": args.path, "threads": args.threads, "rounds": args.rounds,
+    save_results(args.name, {"against": commit, "path": args.path, "threads": args.threads, "rounds": args.rounds,
                                "comparisons": results}, table)
 
 
