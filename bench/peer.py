@@ -123,9 +123,10 @@ def cmake_isa_options(isa: str, cpuinfo: str) -> tuple[str, ...]:
     return (*ISA_OPTIONS[isa], *(WITHOUT_AMX if leaves_out_amx(isa, cpuinfo) else ()))
 
 
-def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
+def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native",
+                  cpuinfo: str | None = None) -> Toolchain:
     """Return where the given sdist's llama.cpp is (or will be) unpacked and built on this CPU (with ISA_OPTIONS[isa])."""
-    cpuinfo = Path("/proc/cpuinfo").read_text()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     suffix = ("" if isa == "native" else f"-{isa}") + ("-no-amx" if leaves_out_amx(isa, cpuinfo) else "")
     return Toolchain(source=root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp",
                      build=root / f"build-{version}-{cpu_flags_key(cpuinfo)}{suffix}")
@@ -142,8 +143,9 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: s
         with tarfile.open(downloads / f"llama_cpp_python-{version}.tar.gz") as sdist:
             sdist.extractall(root, filter="data")
 
-    return build_once(toolchain_for(version, root, isa), root, download,
-                      (*CMAKE_OPTIONS, *cmake_isa_options(isa, Path("/proc/cpuinfo").read_text())),
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    return build_once(toolchain_for(version, root, isa, cpuinfo), root, download,
+                      (*CMAKE_OPTIONS, *cmake_isa_options(isa, cpuinfo)),
                       f"{', '.join(BUILD_TARGETS)} (about 10 minutes on two cores)")
 
 

@@ -24,6 +24,8 @@ constexpr int64_t kAmxRowChunk = 128;
 // of the 16 outputs, the stored layout (kernels.h: Weights) less the offset.
 constexpr int64_t kSignedBlockBytes = kTileOutputs * kBlock;
 static_assert(kGroupBytes == 64 && kBlock / kGroupInputs == 8, "a block of weights is one 8 x 64-byte tile");
+// One row of a sum tile: 16 outputs' int32 sums.
+constexpr int64_t kSumRowBytes = kTileOutputs * sizeof(int32_t);
 
 // The tile registers' shapes (palette 1): tmm0, tmm1 two blocks' activations (16 rows x 32 int8);
 // tmm2, tmm3 the two blocks' weights (8 x 64 int8); tmm4 to tmm7 sums (16 rows x 16 int32), two
@@ -32,7 +34,8 @@ struct alignas(64) TileConfig {
     uint8_t palette = 1;
     uint8_t start_row = 0;
     uint8_t reserved[14] = {};
-    uint16_t bytes_per_row[16] = {kBlock, kBlock, kGroupBytes, kGroupBytes, 64, 64, 64, 64};
+    uint16_t bytes_per_row[16] = {kBlock, kBlock, kGroupBytes, kGroupBytes, kSumRowBytes, kSumRowBytes,
+                                   kSumRowBytes, kSumRowBytes};
     uint8_t rows[16] = {kAmxRows, kAmxRows, kBlock / kGroupInputs, kBlock / kGroupInputs,
                         kAmxRows, kAmxRows, kAmxRows, kAmxRows};
 };
@@ -110,13 +113,12 @@ inline void issue_pair(const int8_t* values, int64_t cols, const int8_t* weights
 template <int Format, int First>
 inline void scale_pair(const QuantizedRows& x, const Weights& w, int64_t tile, int64_t row, int64_t block, bool two,
                        int32_t (*sums)[kAmxRows * kTileOutputs], __m512 acc[kAmxRows]) {
-    constexpr int64_t stride = kTileOutputs * sizeof(int32_t);
     if constexpr (First == 4) {
-        _tile_stored(4, sums[0], stride);
-        if (two) _tile_stored(5, sums[1], stride);
+        _tile_stored(4, sums[0], kSumRowBytes);
+        if (two) _tile_stored(5, sums[1], kSumRowBytes);
     } else {
-        _tile_stored(6, sums[0], stride);
-        if (two) _tile_stored(7, sums[1], stride);
+        _tile_stored(6, sums[0], kSumRowBytes);
+        if (two) _tile_stored(7, sums[1], kSumRowBytes);
     }
     scale_block<Format>(x, w, tile, row, block, sums[0], acc);
     if (two) scale_block<Format>(x, w, tile, row, block + 1, sums[1], acc);
@@ -199,9 +201,9 @@ int64_t peak_loop_amx(int64_t iterations) {
         _tile_dpbssd(7, 1, 2);
     }
     int64_t total = 0;
-    _tile_stored(4, sums, kTileOutputs * sizeof(int32_t));
+    _tile_stored(4, sums, kSumRowBytes);
     total += sums[0];
-    _tile_stored(7, sums, kTileOutputs * sizeof(int32_t));
+    _tile_stored(7, sums, kSumRowBytes);
     total += sums[0];
     _tile_release();
     return total;
