@@ -25,7 +25,9 @@ from bench import save_results  # noqa: E402
 from bench.probes.dev_model import load_dev_runner  # noqa: E402
 from harness import RedisServer  # noqa: E402
 from service.cache.kvshare import RedisPrefixes  # noqa: E402
+from service.engine import KvScope  # noqa: E402
 from service.engine.prefixes import PrefixStore  # noqa: E402
+from service.engine.sequence_files import SequenceFormat  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 CHUNK = Settings.model_fields["prefill_chunk_tokens"].default
@@ -40,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner, _ = load_dev_runner("int8")
-    config = runner.lean.model.config
+    sequence_format = SequenceFormat(runner.lean.model.config.num_hidden_layers, torch.bfloat16, runner.stored_shape)
     runs = []
     with tempfile.TemporaryDirectory(prefix="corechat-kv-fetch-") as scratch:
         scratch = Path(scratch)
@@ -56,19 +58,20 @@ def main() -> None:
                     for start in range(0, tokens, CHUNK):
                         runner.prefill(kv, ids[start:start + CHUNK], 1)
                     compute = time.perf_counter() - began
-                    home = PrefixStore(config, 1 << 32, scratch / f"home-{tokens}", "model", shared=shared,
+                    home = PrefixStore(sequence_format, 1 << 32, scratch / f"home-{tokens}", "model", shared=shared,
                                        turn_end_ids=[END_OF_TURN])
                     home.store(ids, runner.stored_shape(tokens), runner.read(kv, tokens))
                     began = time.perf_counter()
-                    stored = next(home.folder.iterdir())
+                    stored = next((home.root.path / home.folder_name(KvScope())).iterdir())
                     with stored.open("rb") as file:
-                        shared.publish(f"model/{stored.name}", memoryview(file.read()))
+                        shared.publish(f"{home.folder_name(KvScope())}/{stored.name}", memoryview(file.read()))
                     publish = time.perf_counter() - began
                     runner.release(kv)
-                    away = PrefixStore(config, 1 << 32, scratch / f"away-{tokens}", "model", shared=shared,
+                    away = PrefixStore(sequence_format, 1 << 32, scratch / f"away-{tokens}", "model", shared=shared,
                                        turn_end_ids=[END_OF_TURN])
                     kv = runner.reserve(tokens + 2)
                     began = time.perf_counter()
+                    away.prefetch([*ids, END_OF_TURN, 1])
                     layers, found = away.lookup([*ids, END_OF_TURN, 1])
                     fetched = time.perf_counter() - began
                     runner.load(kv, layers, found)

@@ -17,6 +17,7 @@ from ..engine import (
     Finished,
     Generation,
     GrammarRefused,
+    KvScope,
     SamplingParams,
     TemplateRefused,
     TextDelta,
@@ -232,10 +233,11 @@ class ChatCompletions:
         configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
         return openai_default if configured is None else type(openai_default)(configured)
 
-    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
+    def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = (),
+              kv_scope: KvScope = KvScope()) -> Generation | ChoiceGroup:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
-            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
+            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids, kv_scope)
         except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
             param = "tools" if prepared.request.forced_tools else "response_format"
             raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None

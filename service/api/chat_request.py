@@ -15,6 +15,8 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds of logit_bias: entries, and each value (-100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_ENTRIES = 300
 LOGIT_BIAS_LIMIT = 100.0
+# The longest cache_salt taken: a secret of 256 bits is 43 characters of base64.
+MAX_CACHE_SALT_CHARS = 256
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 INT64 = 2**63 - 1
 # OpenAI's rule for function and schema names.
@@ -180,6 +182,9 @@ class SamplingFields(StrictModel):
         "How many choices to sample from one prompt pass (at most 8, and at most MAX_RUNNING): each takes a running "
         "place. With a seed, choice i draws with a seed derived from it and i (choice 0 with the seed itself); "
         "greedy choices are all the same."))
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=(
+        "vLLM's field: stored KV state and cached replies are reused only by requests with the same salt (and, "
+        "with API keys, the same key). Use a random secret of 32 bytes or more, shared by whoever may reuse."))
     logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, description="Token ids (as strings) to a value from -100 to 100 added to that token's logit before "
         "sampling and any grammar mask: -100 bans the token, 100 all but forces it. At most 300 entries.")

@@ -15,6 +15,7 @@ from ..engine import (
     Failed,
     Finished,
     Generation,
+    KvScope,
     PromptLogprobs,
     TextDelta,
     TokenLogprob,
@@ -134,9 +135,10 @@ class TextCompletions:
                 raise InvalidRequest(f"invalid 'prompt[{index}]': {token_id} is not a token id of this model (its ids "
                                      f"run from 0 to {vocab_size - 1})", param=f"prompt[{index}]")
 
-    def start(self, prepared: PreparedCompletion, forced_ids: tuple[int, ...] = ()) -> Generation | ChoiceGroup:
+    def start(self, prepared: PreparedCompletion, forced_ids: tuple[int, ...] = (),
+              kv_scope: KvScope = KvScope()) -> Generation | ChoiceGroup:
         """Queue the generation or its choices (continuing `forced_ids`, a reply's first tokens), or raise 503."""
-        return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids)
+        return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids, kv_scope)
 
     # Rendering -----------------------------------------------------------------------------
     # Chunks are plain data framed by json.dumps, as chat's are; tests/e2e/test_completions.py validates them

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from flask import Blueprint, Flask, Response, jsonify, request
 from pydantic import BaseModel
 
-from ..cache import current_cache, no_cache_requested, settled_status
+from ..cache import current_cache, no_cache_requested, no_store_requested, settled_status
+from ..engine import KvScope
 from ..errors import InvalidRequest
 from ..observability.observed import EngineWork, observe
 from ..observability.request_record import current_record
@@ -50,8 +51,9 @@ class GenerationServing(Protocol):
     def prepare(self, request: Any) -> PreparedReply:
         """Check a parsed request against the model, or raise a 4xx."""
 
-    def start(self, prepared: Any, forced_ids: tuple[int, ...] = ()) -> "Generation | ChoiceGroup":
-        """Queue the reply's generation, or raise a 503."""
+    def start(self, prepared: Any, forced_ids: tuple[int, ...] = (),
+              kv_scope: KvScope = KvScope()) -> "Generation | ChoiceGroup":
+        """Queue the reply's generation, its stored KV state kept in `kv_scope`, or raise a 503."""
 
     def stream(self, prepared: Any, source: "EventSource") -> Iterator[str]:
         """Render a reply's events as Server-Sent Events."""
@@ -65,14 +67,16 @@ def serve_generation(serving: GenerationServing, parsed_request):
     cache = current_cache()
     record = current_record()
     prepared = serving.prepare(parsed_request)
-    opted_out = no_cache_requested(request.headers.get("Cache-Control", ""))
-    bypass = cache.bypasses(prepared, serving.engine.fingerprint, opted_out=opted_out)
+    cache_control = request.headers.get("Cache-Control", "")
+    bypass = cache.bypasses(prepared, serving.engine.fingerprint, opted_out=no_cache_requested(cache_control))
+    scope = cache.scope(caller_key_hash(), parsed_request.cache_salt)
+    kv_scope = KvScope(scope, keep=not no_store_requested(cache_control))
     try:
         reply, record.x_cache = cache.open(
             prepared,
             serving.engine.fingerprint,
-            lambda forced_ids: EngineWork(serving.start(prepared, forced_ids)),
-            scope=cache.scope(caller_key_hash()),
+            lambda forced_ids: EngineWork(serving.start(prepared, forced_ids, kv_scope)),
+            scope=scope,
             bypass=bypass,
         )
     except BaseException:

@@ -16,6 +16,7 @@ from ..engine import (
     Failed,
     Finished,
     Generation,
+    KvScope,
     PromptLogprobs,
     SamplingParams,
     Started,
@@ -80,10 +81,12 @@ class ChatEngine(Protocol):
     def snapshot_facts(self) -> "EngineFacts":
         """Return a consistent copy of the facts."""
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()) -> Generation:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = (),
+               kv_scope: KvScope = KvScope()) -> Generation:
         """Queue a generation; raise EngineOverloaded when the worker is full, EngineUnavailable when closed."""
 
-    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams]) -> ChoiceGroup:
+    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams],
+                       kv_scope: KvScope = KvScope()) -> ChoiceGroup:
         """Queue several choices of one prompt (n > 1) as one request; errors as submit's."""
 
     def start(self, on_ready: Callable[[], None] | None = None,
@@ -200,12 +203,12 @@ def check_choices(settings: Settings, engine: ChatEngine, count: int, prompt_tok
 
 
 def submit(engine: ChatEngine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
-           forced_ids: tuple[int, ...]) -> Generation | ChoiceGroup:
+           forced_ids: tuple[int, ...], kv_scope: KvScope) -> Generation | ChoiceGroup:
     """Queue a generation (or a group of choices) on the engine, or raise the 503 of a full or unavailable worker."""
     try:
         if len(choices) > 1:
-            return engine.submit_choices(prompt_ids, list(choices))
-        return engine.submit(prompt_ids, choices[0], forced_ids)
+            return engine.submit_choices(prompt_ids, list(choices), kv_scope)
+        return engine.submit(prompt_ids, choices[0], forced_ids, kv_scope)
     except EngineOverloaded as exc:
         raise Overloaded(str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineUnavailable:

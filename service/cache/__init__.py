@@ -4,7 +4,8 @@ Identical requests in flight at once cost one generation (single-flight: flights
 runs.py across workers). Redis (one server, or the master a Sentinel group names) shares replies and
 flights across workers and hosts; without REDIS_URL each worker keeps its own in-process store with
 the same behaviour. Any store failure fails open: the request is served uncached and the store is
-left alone for a short while. With API keys, each key has its own replies unless CACHE_SCOPE=shared.
+left alone for a short while. With API keys, each key has its own replies unless CACHE_SCOPE=shared;
+a request's cache_salt narrows its scope further.
 """
 
 import logging
@@ -24,7 +25,7 @@ from .runs import Run
 from .stores import LocalStore, RedisStore
 
 __all__ = ["CachedReply", "Flight", "FlightReader", "ResponseCache", "cache_key", "current_cache", "init_app",
-           "no_cache_requested"]
+           "no_cache_requested", "no_store_requested"]
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,19 @@ OPT_OUT_DIRECTIVES = {"no-cache", "no-store"}
 CACHED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
+def cache_directives(cache_control: str) -> set[str]:
+    """Return the directives of a Cache-Control header, lower-cased, without their values."""
+    return {part.split("=", 1)[0].strip().lower() for part in cache_control.split(",")}
+
+
 def no_cache_requested(cache_control: str) -> bool:
-    """Tell whether a request's Cache-Control header opts out of the cache."""
-    directives = {part.split("=", 1)[0].strip().lower() for part in cache_control.split(",")}
-    return bool(directives & OPT_OUT_DIRECTIVES)
+    """Tell whether a request's Cache-Control header opts out of the response cache."""
+    return bool(cache_directives(cache_control) & OPT_OUT_DIRECTIVES)
+
+
+def no_store_requested(cache_control: str) -> bool:
+    """Tell whether a request's Cache-Control header asks that nothing of it be stored (its KV state included)."""
+    return "no-store" in cache_directives(cache_control)
 
 
 class CircuitBreaker:
@@ -97,11 +107,15 @@ class ResponseCache:
             store = LocalStore(settings.cache_local_entries)
         return cls(store, settings)
 
-    def scope(self, api_key_hash: str | None) -> str:
-        """Return the cache scope of a caller, known by a hash of its API key (None when keys are off)."""
-        if api_key_hash is None or self.shared_across_keys:
-            return ""
-        return f"key:{api_key_hash}"
+    def scope(self, api_key_hash: str | None, salt: str | None = None) -> str:
+        """Return the cache scope of a caller, known by a hash of its API key (None when keys are off), and of
+        the request's cache_salt: replies and stored KV state are reused only within one scope."""
+        parts = []
+        if api_key_hash is not None and not self.shared_across_keys:
+            parts.append(f"key:{api_key_hash}")
+        if salt is not None:
+            parts.append(f"salt:{salt}")
+        return "|".join(parts)
 
     def bypasses(self, prepared, fingerprint: str, *, opted_out: bool = False) -> bool:
         """Tell whether a request's reply is generated without the cache, neither read from it nor stored."""

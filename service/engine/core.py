@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from .cores import SharedCores, no_sharing
-from .events import ChoiceGroup, Failed, Generation
+from .events import ChoiceGroup, Failed, Generation, KvScope
 from .facts import EngineFacts, EngineState
 from .grammar import Grammars
 from .loading import (
@@ -32,6 +32,7 @@ from .prepare import prepare_model
 from .runners import PagedModel, TransformersModel
 from .sampling import SAMPLER_VERSION, SamplingParams
 from .scheduler import Scheduler
+from .sequence_files import SequenceFormat, forward_code_version
 from .template import ChatTemplate
 from .text import TokenSpeller
 
@@ -217,10 +218,11 @@ class Engine:
                   else TransformersModel(self.model, self.kv_budget))
         self._scheduler = Scheduler(
             self.settings, runner, self.tokenizer, vocab_size=self.model.config.vocab_size, pending=self._pending,
-            prefixes=PrefixStore(self.model.config, self.settings.prefix_cache_mb * 1024 * 1024,
-                                 self.settings.prefix_store_root,
-                                 f"{self.fingerprint}-{self.settings.dtype}-{runner.kv_layout}",
-                                 DTYPES[self.settings.dtype], shared=self.shared_prefixes, turn_end_ids=self._eos_ids),
+            prefixes=PrefixStore(
+                SequenceFormat(self.model.config.num_hidden_layers, DTYPES[self.settings.dtype], runner.stored_shape),
+                self.settings.prefix_cache_mb * 1024 * 1024, self.settings.prefix_store_root,
+                f"{self.fingerprint}-{self.settings.dtype}-{runner.kv_layout}-{forward_code_version()}",
+                shared=self.shared_prefixes, turn_end_ids=self._eos_ids),
             eos_ids=self._eos_ids, speller=self._speller, facts=self.facts, cores=self.cores,
         )
         log.info("model %s loaded in %.2f s (%s)", self.model_dir, self.facts.load_seconds, dtype)
@@ -268,30 +270,41 @@ class Engine:
 
     # Requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = ()) -> Generation:
-        """Queue a generation (continuing `forced_ids` if given); raise EngineOverloaded when the queue is full, EngineUnavailable when closed.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...] = (),
+               kv_scope: KvScope = KvScope()) -> Generation:
+        """Queue a generation (continuing `forced_ids` if given) whose stored KV state is `kv_scope`'s; raise
+        EngineOverloaded when the queue is full, EngineUnavailable when closed.
 
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
-        generation = self._generation(prompt_ids, params, forced_ids)
+        generation = self._generation(prompt_ids, params, forced_ids, kv_scope)
         self._queue(generation)
         return generation
 
-    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams]) -> ChoiceGroup:
+    def submit_choices(self, prompt_ids: list[int], choice_params: list[SamplingParams],
+                       kv_scope: KvScope = KvScope()) -> ChoiceGroup:
         """Queue several choices of one prompt (n > 1), each sampled with its own parameters, as one request.
 
         They take one place in the queue and n running places, share one prompt pass and decode as n
         rows; errors as submit's.
         """
-        group = ChoiceGroup([self._generation(prompt_ids, params, ()) for params in choice_params])
+        group = ChoiceGroup([self._generation(prompt_ids, params, (), kv_scope) for params in choice_params])
         self._queue(group.lead)
         return group
 
-    def _generation(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...]) -> Generation:
-        """Make a generation with its grammar's matcher."""
-        # Made here, in the request's thread: the first one builds the view of the vocabulary, which the engine must not wait for.
+    def _generation(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...],
+                    kv_scope: KvScope) -> Generation:
+        """Make a generation with its grammar's matcher, and fetch its conversation's KV state from beyond the host.
+
+        Both are done here, in the request's thread: the first matcher builds the view of the
+        vocabulary, and the fetch waits for the network; the engine's thread must wait for neither.
+        """
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        return Generation(prompt_ids, params, forced_ids, grammar)
+        generation = Generation(prompt_ids, params, forced_ids, grammar, kv_scope)
+        scheduler = self._scheduler
+        if scheduler is not None and params.prompt_logprobs is None:
+            scheduler.prefixes.prefetch(generation.input_ids, kv_scope)
+        return generation
 
     def _queue(self, generation: Generation) -> None:
         """Put a generation (and its sibling choices) in the queue if its places are free."""

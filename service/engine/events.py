@@ -4,6 +4,7 @@ Nothing here imports torch or touches the model: the layers that pass events on 
 cache, the metrics, the disconnect watcher) need these types and nothing else of the engine.
 """
 
+import hashlib
 import queue
 import threading
 import time
@@ -15,6 +16,22 @@ from .text import TokenLogprob
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams  # imports torch; the handle only carries the parameters
+
+
+@dataclass(frozen=True)
+class KvScope:
+    """Whose stored KV state a generation may reuse, and whether it may leave its own for later ones
+    (prefixes.py keeps each scope's apart)."""
+
+    # The response cache's scope of the request ("" when every caller shares one).
+    name: str = ""
+    # False for a request that asked for no storage (Cache-Control: no-store).
+    keep: bool = True
+
+    @property
+    def tag(self) -> str:
+        """Return what the scope's folder name adds to the model's ("" for the shared scope)."""
+        return hashlib.sha256(self.name.encode()).hexdigest()[:24] if self.name else ""
 
 
 @dataclass(frozen=True)
@@ -114,10 +131,12 @@ class Generation(EventSource):
     with the prompt, count as completion tokens, and their text is not sent again.
     """
 
-    def __init__(self, prompt_ids: list[int], params: "SamplingParams", forced_ids: tuple[int, ...] = (), grammar=None):
+    def __init__(self, prompt_ids: list[int], params: "SamplingParams", forced_ids: tuple[int, ...] = (), grammar=None,
+                 kv_scope: KvScope = KvScope()):
         self.prompt_ids = prompt_ids
         self.params = params
         self.forced_ids = tuple(forced_ids)
+        self.kv_scope = kv_scope
         # The llguidance matcher of params.grammar, advanced by each token of the reply.
         self.grammar = grammar
         self.submitted_at = time.monotonic()

@@ -2,46 +2,47 @@
 
 A chat frontend resends the whole conversation every turn, and the kernel hands each turn to any
 worker. So each stored sequence (a prompt at the end of its pass; prompt and reply at the end of a
-generation) is a safetensors file in one folder on tmpfs that all workers read: its token ids and
-every layer's keys and values. Readers map the files (safetensors hands out views of the mapping,
-no copy); a writer writes a temporary file and renames it into place, so a reader sees a whole file
-or none and never waits for a writer. A file deleted while a reader holds views of it stays mapped
-until the reader drops them. Eviction is least recently used over the whole folder, across models:
-a hit touches its file's time.
+generation) is a safetensors file (sequence_files.py) in a folder on tmpfs that all workers read.
+A reader keeps only the files' token ids in memory, and maps a file only to copy its layers into a
+sequence's pages, so a file deleted by eviction frees its memory at once. A writer writes a
+temporary file and renames it into place, so a reader sees a whole file or none and never waits.
+Eviction is least recently used over the whole folder, across models: a hit touches its file's time
+(prefix_folder.py keeps the folder private and within its capacity and the filesystem's room).
 
-The folder has one subfolder per model fingerprint (weights, weight format, dtype), so workers of
-another model never read these keys and values. It must be the service's own: a folder another
-user can write could hand workers forged keys and values, so one that is not private is not used.
+Stored state is private to a scope (KvScope), as the response cache's replies are: each scope has
+its own subfolder, named by a hash of the scope, of the model's: weights, weight format, runner
+layout and the code that computes KV state. A prompt reuses only what its own scope stored, so how
+many tokens one API key finds cached tells nothing of what another key sent. A request that asks
+for no storage (Cache-Control: no-store) reads its scope's state and leaves none.
 
 Beyond the host (SHARED_KV_TTL_SECONDS), a finished turn's file is also sent, from a background
-thread, to a store every host reaches (service/cache/kvshare.py: Redis). A prompt whose longest
-local prefix is shorter than one a finished turn could have left asks that store for it: a turn
-ends just before its end-of-turn token (or one token earlier, cut by max_tokens), so the
-candidates are the prompt's prefixes that stop there; the longest found is written into this
-host's folder and used from there.
+thread, to a store every host reaches (service/cache/kvshare.py: Redis), under its folder's name.
+Before a prompt is queued, its request's thread asks that store for the longest finished turn the
+prompt continues that this host lacks: a turn ends just before its end-of-turn token (or one token
+earlier, cut by max_tokens), so the candidates are the prompt's prefixes that stop there. What is
+found is checked as a local file is and written into the host's folder; the engine's thread never
+waits for the network.
 """
 
-import hashlib
-import json
 import logging
 import mmap
 import os
 import queue
-import stat
-import struct
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
+
+from .events import KvScope
+from .prefix_folder import PrivateFolder, make_room, own_file, partial_name
+from .sequence_files import SUFFIX, NotASequence, SequenceFormat, sequence_name, shape_bytes, write_sequence
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".safetensors"
 # Turns waiting to be sent beyond the host; more are dropped (sharing only saves recomputing).
 SHARE_QUEUE = 8
 
@@ -56,32 +57,11 @@ class SharedPrefixes(Protocol):
         """Return the first of the names that is kept, and its file."""
 
 
-def sequence_name(ids) -> str:
-    """Return the file name a sequence of token ids is stored under."""
-    key = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
-    return hashlib.sha256(key.numpy().tobytes()).hexdigest()[:32] + SUFFIX
-
-
 def common_prefix_length(stored: torch.Tensor, prompt: torch.Tensor) -> int:
     """Return how many leading token ids two 1-D id tensors share."""
     length = min(stored.numel(), prompt.numel())
     differ = (stored[:length] != prompt[:length]).nonzero()
     return int(differ[0]) if differ.numel() else length
-
-
-def private_folder(path: Path) -> bool:
-    """Make the folder (mode 0700) if it is missing; tell whether only this user can write it."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = path.lstat()
-    except OSError as exc:
-        log.warning("prefix store folder %s cannot be made: %s; prefix reuse is off", path, exc)
-        return False
-    private = (stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid()
-               and not status.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-    if not private:
-        log.warning("prefix store folder %s is not this user's private folder; prefix reuse is off", path)
-    return private
 
 
 def touch(path: Path) -> None:
@@ -94,245 +74,213 @@ def touch(path: Path) -> None:
     try:
         os.utime(path, ns=(now, now))
     except FileNotFoundError:
-        pass  # evicted meanwhile: a mapping a reader holds stays whole
-
-
-# safetensors' names of the dtypes a KV state is kept in.
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-
-
-def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Return the bytes of a tensor of a shape and dtype."""
-    count = dtype.itemsize
-    for size in shape:
-        count *= size
-    return count
-
-
-def write_sequence(path: Path, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                   layers: Iterable[Iterable[torch.Tensor]], layer_count: int) -> None:
-    """Write a sequence as a safetensors file: its ids, then each layer's KV state (`layer.N` of `shape`),
-    each layer given as pieces whose bytes follow each other, written as they come.
-
-    safetensors' own writers take every tensor at once, which would hold a second copy of the
-    sequence's whole KV state; the format is a little-endian header length, a JSON header and the
-    tensors' bytes in its order, so it is written here piece by piece.
-    """
-    layer_bytes = shape_bytes(shape, dtype)
-    header = {"ids": {"dtype": "I32", "shape": list(ids.shape), "data_offsets": [0, ids.nbytes]}}
-    for index in range(layer_count):
-        start = ids.nbytes + index * layer_bytes
-        header[f"layer.{index}"] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                                    "data_offsets": [start, start + layer_bytes]}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    written = 0
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(encoded)) + encoded)
-        file.write(ids.numpy().data)
-        for pieces in layers:
-            size = 0
-            for piece in pieces:
-                if piece.dtype != dtype:
-                    raise ValueError(f"a layer's KV state is {piece.dtype}, not {dtype}")
-                size += piece.nbytes
-                file.write(piece.contiguous().view(torch.uint8).numpy().data)
-            if size != layer_bytes:
-                raise ValueError(f"a layer's KV state is {size} bytes, not {layer_bytes} ({shape})")
-            written += 1
-    if written != layer_count:
-        raise ValueError(f"{written} layers of KV state given, {layer_count} expected")
+        pass  # evicted meanwhile
 
 
 @dataclass
-class _Entry:
-    """One stored sequence as a reader maps it."""
+class _ScopeFolder:
+    """One scope's subfolder, and the token ids of its files as this worker last read them."""
 
-    path: Path
-    ids: torch.Tensor
-    file: object  # safetensors' handle: get_tensor returns views of the mapped file
+    folder: PrivateFolder
+    identity: tuple[int, int] | None = None
+    ids: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PrefixStore:
     """Stored sequences' KV state, shared by the workers of a host, capped in bytes for the folder."""
 
-    def __init__(self, config, capacity_bytes: int, root: Path, model_key: str, dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, sequence_format: SequenceFormat, capacity_bytes: int, root: Path, model_key: str,
                  shared: SharedPrefixes | None = None, turn_end_ids: Iterable[int] = ()):
         """`shared` keeps finished turns beyond the host; `turn_end_ids` are the tokens a finished turn stops before."""
-        self.config = config
-        self.dtype = dtype
+        self.format = sequence_format
         self.capacity_bytes = capacity_bytes
-        self.root = root
+        self.root = PrivateFolder(root, parents=True)
         self.model_key = model_key
-        self.folder = root / model_key
-        self.enabled = capacity_bytes > 0 and private_folder(root) and private_folder(self.folder)
+        self.enabled = capacity_bytes > 0 and self.root.identity() is not None
         self.shared = shared if self.enabled else None
-        self.turn_end_ids = frozenset(turn_end_ids)
-        # Bytes of the stored files as this worker last counted them (all models' files).
+        self.turn_end_ids = torch.tensor(sorted(set(turn_end_ids)), dtype=torch.int32)
+        # Bytes of the stored files as this process last counted them (all models' files).
         self.bytes = 0
         # Prompts that found their prefix beyond the host.
         self.shared_hits = 0
-        self._entries: dict[str, _Entry] = {}
-        self._sharing: queue.Queue[Path] = queue.Queue(maxsize=SHARE_QUEUE)
+        self._scopes: dict[str, _ScopeFolder] = {}
+        self._lock = threading.Lock()  # the engine's thread and the request threads' fetches share these
+        self._sharing: queue.Queue[tuple[Path, str]] = queue.Queue(maxsize=SHARE_QUEUE)
         self._sharer: threading.Thread | None = None
 
-    def lookup(self, prompt_ids: list[int]) -> tuple[list[torch.Tensor], int]:
-        """Return every layer's stored KV state of the longest stored prefix of the prompt, and its length.
+    def folder_name(self, scope: KvScope) -> str:
+        """Return the name of a scope's subfolder, which is also its files' prefix in the shared store."""
+        return f"{self.model_key}.{scope.tag}" if scope.tag else self.model_key
+
+    def _folder(self, scope: KvScope) -> _ScopeFolder | None:
+        """Return a scope's subfolder once the root and it are checked private (made if missing), else None.
+
+        A subfolder that is not the one last seen (removed and made again) forgets the ids read from it.
+        """
+        if not self.enabled or self.root.identity() is None:
+            return None
+        name = self.folder_name(scope)
+        with self._lock:
+            entry = self._scopes.get(name)
+            if entry is None:
+                entry = self._scopes[name] = _ScopeFolder(PrivateFolder(self.root.path / name))
+        identity = entry.folder.identity()
+        if identity != entry.identity:
+            with self._lock:
+                entry.identity, entry.ids = identity, {}
+        return entry if identity is not None else None
+
+    def lookup(self, prompt_ids: list[int], scope: KvScope = KvScope()) -> tuple[list[torch.Tensor], int]:
+        """Return every layer's stored KV state of the longest prefix of the prompt its scope stored, and its length.
 
         The tensors are views of a read-only mapping, in the layout their runner stored (at least the
-        prefix's tokens); the caller copies what it needs. At least the prompt's last token is left
-        out, since its logits are what the prompt pass is for.
+        prefix's tokens); the caller copies what it needs and drops them. At least the prompt's last
+        token is left out, since its logits are what the prompt pass is for.
         """
-        if not self.enabled or len(prompt_ids) < 2:
+        entry = self._folder(scope) if len(prompt_ids) >= 2 else None
+        if entry is None:
             return [], 0
-        self._refresh()
+        self._refresh(entry)
         prompt = torch.tensor(prompt_ids, dtype=torch.int32)
-        best, best_length = self._longest(prompt)
-        if self.shared is not None and self._fetch_longer(prompt, best_length):
-            best, best_length = self._longest(prompt)
-        best_length = min(best_length, len(prompt_ids) - 1)
-        if best is None or best_length <= 0:
-            return [], 0
-        touch(best.path)
-        layers = [best.file.get_tensor(f"layer.{index}") for index in range(self.config.num_hidden_layers)]
-        return layers, best_length
+        matches = sorted(((common_prefix_length(ids, prompt), name) for name, ids in entry.ids.items()), reverse=True)
+        for length, name in matches:
+            if length < 1:
+                break
+            path = entry.folder.path / name
+            try:
+                layers = self.format.open_layers(path, entry.ids[name])
+            except (OSError, NotASequence) as exc:  # evicted meanwhile, or not a file this store wrote
+                log.debug("stored sequence %s skipped: %s", name, exc)
+                entry.ids.pop(name, None)
+                continue
+            touch(path)
+            return layers, min(length, len(prompt_ids) - 1)
+        return [], 0
 
-    def _longest(self, prompt: torch.Tensor) -> tuple["_Entry | None", int]:
-        """Return the mapped entry sharing the longest prefix with a prompt, and that length."""
-        best, best_length = None, 0
-        for entry in self._entries.values():
-            length = common_prefix_length(entry.ids, prompt)
-            if length > best_length:
-                best, best_length = entry, length
-        return best, best_length
+    def _refresh(self, entry: _ScopeFolder) -> None:
+        """Read the ids of the files other workers stored in a scope's folder since the last look; forget
+        the ones evicted."""
+        try:
+            names = {item.name for item in os.scandir(entry.folder.path)
+                     if item.name.endswith(SUFFIX) and own_file(item.stat(follow_symlinks=False))}
+        except FileNotFoundError:
+            names = set()
+        for gone in entry.ids.keys() - names:
+            del entry.ids[gone]
+        for name in names - entry.ids.keys():
+            try:
+                entry.ids[name] = self.format.read_ids(entry.folder.path / name)
+            except (OSError, NotASequence) as exc:
+                log.debug("stored sequence %s skipped: %s", name, exc)
 
-    def _fetch_longer(self, prompt: torch.Tensor, local_length: int) -> bool:
-        """Ask the shared store for the longest finished turn the prompt continues, longer than the local
-        match; keep what it holds in this host's folder. Return whether something was kept."""
+    def prefetch(self, prompt_ids: list[int], scope: KvScope = KvScope()) -> bool:
+        """Ask the shared store for the longest finished turn of the scope that the prompt continues and this
+        host lacks, and keep it in the host's folder; return whether one was kept. Called by the request's
+        thread before the prompt is queued; fails open."""
+        entry = self._folder(scope) if self.shared is not None and len(self.turn_end_ids) else None
+        if entry is None:
+            return False
+        prompt = torch.tensor(prompt_ids, dtype=torch.int32)
         # A turn that stopped at its end-of-turn token holds the tokens before it; one cut by max_tokens all
         # but its last (never fed).
-        at_ends = torch.isin(prompt, torch.tensor(sorted(self.turn_end_ids), dtype=prompt.dtype)).nonzero().flatten()
-        ends = sorted({end - back for end in at_ends.tolist() for back in (0, 1)}, reverse=True)
-        ends = [length for length in ends if length > max(local_length, 1)]
-        if not ends:
+        at_ends = torch.isin(prompt, self.turn_end_ids).nonzero().flatten().tolist()
+        ends = sorted({end - back for end in at_ends for back in (0, 1) if end - back > 1}, reverse=True)
+        wanted = {}
+        for length in ends:
+            name = sequence_name(prompt[:length])
+            if (entry.folder.path / name).exists():
+                break  # this host has it, and every shorter candidate would be a shorter match
+            wanted[f"{self.folder_name(scope)}/{name}"] = length
+        if not wanted:
             return False
-        names = {f"{self.model_key}/{sequence_name(prompt[:length])}": length for length in ends}
-        found = self.shared.fetch(list(names))
+        found = self.shared.fetch(list(wanted))
         if found is None:
             return False
-        name, data = found
-        path = self.folder / name.rpartition("/")[2]
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        shared_name, data = found
+        return self._keep_fetched(entry, shared_name.rpartition("/")[2], data, prompt[:wanted[shared_name]])
+
+    def _keep_fetched(self, entry: _ScopeFolder, name: str, data: bytes, ids: torch.Tensor) -> bool:
+        """Write a file fetched from the shared store into a scope's folder if it is the sequence of `ids`."""
+        fits, self.bytes = make_room(self.root.path, self.capacity_bytes, len(data))
+        if not fits:
+            return False
+        path = entry.folder.path / name
+        partial = path.with_name(partial_name(name))
         try:
             partial.write_bytes(data)
-            with safe_open(str(partial), framework="pt") as file:
-                if not torch.equal(file.get_tensor("ids"), prompt[:names[name]]):
-                    raise ValueError("its token ids are not the prompt's")
+            if not torch.equal(self.format.read_ids(partial), ids):
+                raise NotASequence("its token ids are not the prompt's")
             os.replace(partial, path)
-        except Exception as exc:  # a full folder, a file that is not a stored sequence
+        except (OSError, NotASequence) as exc:  # a full folder, a file that is not a stored sequence
             log.warning("a shared sequence's KV state could not be kept: %s", exc)
             partial.unlink(missing_ok=True)
             return False
         touch(path)
-        self.shared_hits += 1
-        self._refresh()
-        self._evict()
+        with self._lock:
+            self.shared_hits += 1
         return True
 
-    def share(self, ids: list[int]) -> None:
+    def share(self, ids: list[int], scope: KvScope = KvScope()) -> None:
         """Send a stored sequence (a finished turn) beyond the host, from a background thread."""
-        if self.shared is None:
+        if self.shared is None or not scope.keep:
             return
-        path = self.folder / sequence_name(ids)
+        folder = self.folder_name(scope)
+        path = self.root.path / folder / sequence_name(ids)
         if self._sharer is None:
             self._sharer = threading.Thread(target=self._send_shared, name="corechat-kv-share", daemon=True)
             self._sharer.start()
         try:
-            self._sharing.put_nowait(path)
+            self._sharing.put_nowait((path, f"{folder}/{path.name}"))
         except queue.Full:
             log.debug("sharing queue full: %s stays on this host", path.name)
 
     def _send_shared(self) -> None:
         """Send queued stored sequences' files, each mapped (never copied), until the process ends."""
         while True:
-            path = self._sharing.get()
+            path, name = self._sharing.get()
             try:
                 with (open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapping,
                       memoryview(mapping) as view):
-                    self.shared.publish(f"{self.model_key}/{path.name}", view)
+                    self.shared.publish(name, view)
             except (FileNotFoundError, ValueError):
                 pass  # evicted before it was sent, or empty
             except Exception:
                 log.exception("a stored sequence could not be shared")
 
-    def store(self, ids: list[int], shape: tuple[int, ...], layers: Iterable[Iterable[torch.Tensor]]) -> None:
-        """Keep the KV state of a sequence for every worker: each layer's, of `shape`, given as pieces
-        taken one at a time (so no more than a piece is ever copied)."""
-        if not self.enabled or len(ids) < 2:
+    def store(self, ids: list[int], shape: tuple[int, ...], layers: Iterable[Iterable[torch.Tensor]],
+              scope: KvScope = KvScope()) -> None:
+        """Keep the KV state of a sequence for its scope on every worker: each layer's, of `shape`, given as
+        pieces taken one at a time (so no more than a piece is ever copied). A scope that keeps nothing
+        stores nothing."""
+        entry = self._folder(scope) if scope.keep and len(ids) >= 2 else None
+        if entry is None:
             return
         key = torch.tensor(ids, dtype=torch.int32)
         name = sequence_name(key)
-        path = self.folder / name
+        path = entry.folder.path / name
         if path.exists():
             touch(path)
             return
-        size = key.nbytes + self.config.num_hidden_layers * shape_bytes(shape, self.dtype)
-        if size > self.capacity_bytes:
+        size = key.nbytes + self.format.layer_count * shape_bytes(shape, self.format.dtype)
+        fits, self.bytes = make_room(self.root.path, self.capacity_bytes, size)
+        if not fits:
             return
-        if not self.folder.is_dir() and not (private_folder(self.root) and private_folder(self.folder)):
-            return  # the folder was removed (a tmpfs cleaned up) and cannot be made again
-        partial = path.with_name(f".{name}.{os.getpid()}.partial")
+        partial = path.with_name(partial_name(name))
         try:
-            write_sequence(partial, key, shape, self.dtype, layers, self.config.num_hidden_layers)
+            write_sequence(partial, key, shape, self.format.dtype, layers, self.format.layer_count)
             os.replace(partial, path)
             touch(path)
+            self._drop_extended(entry, key)
         except (OSError, ValueError) as exc:  # a full tmpfs: this sequence is not kept, serving goes on
             log.warning("a sequence's KV state could not be stored: %s", exc)
             partial.unlink(missing_ok=True)
-            return
-        self._drop_extended(key)
-        self._evict()
+        finally:
+            _, self.bytes = make_room(self.root.path, self.capacity_bytes, 0)
 
-    def _refresh(self) -> None:
-        """Map the files other workers stored since the last look; forget the ones evicted."""
-        try:
-            names = {item.name for item in os.scandir(self.folder) if item.name.endswith(SUFFIX) and item.is_file()}
-        except FileNotFoundError:
-            names = set()
-        for gone in self._entries.keys() - names:
-            del self._entries[gone]
-        for name in names - self._entries.keys():
-            path = self.folder / name
-            try:
-                file = safe_open(str(path), framework="pt")
-                self._entries[name] = _Entry(path, file.get_tensor("ids"), file)
-            except Exception as exc:  # evicted before it was opened, or not a file this store wrote
-                log.debug("stored sequence %s skipped: %s", name, exc)
-
-    def _drop_extended(self, key: torch.Tensor) -> None:
-        """Delete stored sequences the new one extends: they can never be the longest match again."""
-        self._refresh()
-        for name, entry in list(self._entries.items()):
-            if entry.ids.numel() < key.numel() and torch.equal(entry.ids, key[: entry.ids.numel()]):
-                entry.path.unlink(missing_ok=True)
-                del self._entries[name]
-
-    def _evict(self) -> None:
-        """Delete the least recently used files of the whole folder until it fits its capacity."""
-        files = []
-        for folder in (item for item in os.scandir(self.root) if item.is_dir(follow_symlinks=False)):
-            for item in os.scandir(folder.path):
-                if item.name.endswith(SUFFIX):
-                    try:
-                        status = item.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    files.append((status.st_mtime, status.st_size, item.path))
-        files.sort()
-        total = sum(size for _, size, _ in files)
-        for _, size, path in files:
-            if total <= self.capacity_bytes:
-                break
-            Path(path).unlink(missing_ok=True)
-            total -= size
-        self.bytes = total
+    def _drop_extended(self, entry: _ScopeFolder, key: torch.Tensor) -> None:
+        """Delete a scope's stored sequences the new one extends: they can never be the longest match again."""
+        self._refresh(entry)
+        for name, ids in list(entry.ids.items()):
+            if ids.numel() < key.numel() and torch.equal(ids, key[: ids.numel()]):
+                (entry.folder.path / name).unlink(missing_ok=True)
+                del entry.ids[name]

@@ -129,9 +129,10 @@ class PromptPass:
         length = self.runner.length(sequence.kv)
         try:
             ids = [*sequence.generation.input_ids, *sequence.taken_ids][:length]
-            self.prefixes.store(ids, self.runner.stored_shape(length), self.runner.read(sequence.kv, length))
+            scope = sequence.generation.kv_scope
+            self.prefixes.store(ids, self.runner.stored_shape(length), self.runner.read(sequence.kv, length), scope)
             if finished_turn:
-                self.prefixes.share(ids)
+                self.prefixes.share(ids, scope)
             self.facts.prefix_cache_bytes = self.prefixes.bytes
         except Exception:
             log.exception("a sequence's KV state could not be stored")

@@ -186,7 +186,7 @@ class Scheduler:
             sequence, sequence.siblings = group[0], group[1:]
             # A stored prefix has no logits: a request for the prompt's logprobs passes its whole prompt.
             if generation.params.prompt_logprobs is None:
-                layers, cached = self.prefixes.lookup(input_ids)
+                layers, cached = self.prefixes.lookup(input_ids, generation.kv_scope)
                 if cached:
                     self.runner.load(sequence.kv, layers, cached)
                     sequence.next_input, sequence.cached_prompt_tokens = input_ids[cached:], cached

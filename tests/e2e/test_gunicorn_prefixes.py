@@ -17,7 +17,7 @@ def ask(server, messages: list[dict]) -> dict:
     response = requests.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0},
-        headers={"Connection": "close", "Cache-Control": "no-store"},
+        headers={"Connection": "close", "Cache-Control": "no-cache"},
         timeout=120,
     )
     assert response.status_code == 200, response.text

@@ -55,5 +55,12 @@ def test_a_claimed_formats_product_gives_each_row_its_bits_alone_at_the_real_mod
 
 def test_bfloat16_products_depend_on_the_batch_at_the_real_models_size():
     """Why bfloat16 is not among INVARIANT_FORMATS: torch's F.linear picks its kernel by the number of
-    rows, so at the real model's sizes a row's outputs change with the rows beside it."""
-    assert rows_differing_from_alone("bfloat16")
+    rows, so at the real model's sizes a row's outputs change with the rows beside it.
+
+    Not on every CPU: where torch's bf16 products widen to float32 whatever the rows (a first Zen
+    EPYC's AVX2 has been seen doing so), they give each row its bits alone there, and other CPUs' do not.
+    """
+    differing = rows_differing_from_alone("bfloat16")
+    if not differing:
+        pytest.skip("on this CPU torch's bf16 products happen to be batch-invariant; on others they are not")
+    assert differing
