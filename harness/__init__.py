@@ -6,6 +6,7 @@
 - `observe`: what a running server says of itself: /readyz of every worker, /metrics, its log.
 - `procfs`: what /proc says of its processes: memory (PSS, RSS, anonymous), mappings, threads.
 - `loadgen`: many exchanges at once from one selector loop, timed as they happen.
+- `proxy`: a TCP proxy that holds back replies (a slow Redis).
 
 Nothing here imports torch or the service's engine, so a benchmark's client stays light.
 """
@@ -33,12 +34,13 @@ from harness.observe import (
     wait_for_samples,
 )
 from harness.procfs import anonymous_megabytes, cpu_ticks_by_thread, file_mappings, memory_of, threads_of
+from harness.proxy import DelayingProxy
 from harness.servers import REPO, TINY_MODEL_DIR, GunicornServer, RedisServer, free_port, processes_of
 from harness.sse import DONE, sse_payload, sse_payloads, sse_stream
 
 __all__ = [
-    "COUNTING", "DONE", "NO_END_OF_TURN", "REPO", "TINY_MODEL_DIR", "GunicornServer", "RedisServer", "StreamResult",
-    "StreamingClient",
+    "COUNTING", "DONE", "NO_END_OF_TURN", "REPO", "TINY_MODEL_DIR", "DelayingProxy", "GunicornServer", "RedisServer",
+    "StreamResult", "StreamingClient",
     "anonymous_megabytes", "chat", "concurrent_streams", "cpu_ticks_by_thread", "file_mappings", "finished_by_worker",
     "free_port", "hang_up_all", "memory_of", "parse_first_token_timings", "parse_samples", "processes_of",
     "ready_facts", "scrape", "send_until_every_worker_served", "short_chat", "sse_payload", "sse_payloads",
