@@ -238,7 +238,9 @@ inline float exp_nonpositive_lane(float x) {
     y = std::fma(y, x, 1.6666665459e-1f);
     y = std::fma(y, x, 5.0000001201e-1f);
     y = std::fma(y, x * x, x) + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+    // What cvttps gives a NaN: INT32_MIN (the cast alone is undefined there), so the power is 1 and NaN stays NaN.
+    const int32_t exponent = whole == whole ? static_cast<int32_t>(whole) : std::numeric_limits<int32_t>::min();
+    const uint32_t bits = (static_cast<uint32_t>(exponent) + 127u) << 23;
     float power;
     std::memcpy(&power, &bits, sizeof power);
     return y * power;

@@ -1,0 +1,70 @@
+"""The kernels' own exp (kernels.h, exp_nonpositive_lane), compiled alone with g++'s undefined-behaviour
+sanitizer: every input attention can give it (0, negatives down to the clamp and below, subnormals,
+-inf, NaN from a key holding inf) is defined behaviour, NaN stays NaN, and each result is within 2 ulp
+of e^x in float32."""
+
+import math
+import struct
+import subprocess
+
+import numpy
+import pytest
+
+from service.engine.kernels import COMPILER, SOURCE_DIR
+
+PROGRAM = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "kernels.h"
+int main(int argc, char** argv) {
+    for (int i = 1; i < argc; ++i) {
+        const uint32_t in = static_cast<uint32_t>(std::strtoul(argv[i], nullptr, 16));
+        float x;
+        std::memcpy(&x, &in, sizeof x);
+        const float y = corechat::exp_nonpositive_lane(x);
+        uint32_t out;
+        std::memcpy(&out, &y, sizeof out);
+        std::printf("%08x\n", out);
+    }
+}
+"""
+
+
+def bits(value: float) -> str:
+    """Return a float32's bits as hex."""
+    return struct.pack(">f", value).hex()
+
+
+def from_bits(text: str) -> float:
+    """Return the float32 of hex bits."""
+    return struct.unpack(">f", bytes.fromhex(text))[0]
+
+
+SUBNORMAL = struct.unpack(">f", bytes.fromhex("00000001"))[0]
+INPUTS = [0.0, -0.0, -SUBNORMAL, -1e-30, -1e-7, -0.5, -1.0, -10.0, -86.9, -87.0, -87.0001, -100.0, -1e30,
+          -math.inf, math.nan, -math.nan]
+
+
+@pytest.fixture(scope="module")
+def sanitized_exp(tmp_path_factory):
+    """Build the exp alone with -fsanitize=undefined, aborting at the first undefined operation."""
+    folder = tmp_path_factory.mktemp("kernel-exp")
+    (folder / "exp.cpp").write_text(PROGRAM)
+    binary = folder / "exp"
+    subprocess.run([COMPILER, "-std=c++17", "-O1", "-fsanitize=undefined", "-fsanitize=float-cast-overflow",
+                    "-fno-sanitize-recover=all", f"-I{SOURCE_DIR}", str(folder / "exp.cpp"), "-o", str(binary)],
+                   check=True, capture_output=True, timeout=300)
+    return binary
+
+
+def test_every_input_attention_gives_the_exp_is_defined_and_close_to_expf(sanitized_exp):
+    run = subprocess.run([str(sanitized_exp), *(bits(value) for value in INPUTS)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    results = [from_bits(line) for line in run.stdout.split()]
+    for value, result in zip(INPUTS, results, strict=True):
+        if math.isnan(value):
+            assert math.isnan(result), (value, result)
+            continue
+        expected = numpy.float32(math.exp(max(float(numpy.float32(value)), -87.0)))
+        assert abs(numpy.float32(result) - expected) <= 2 * numpy.spacing(expected), (value, result, expected)
