@@ -10,12 +10,12 @@ its end. The supervisor imports neither torch nor Flask, and reads /proc of its 
 - It listens on BIND through a socket systemd keeps across restarts (listener.py).
 - It runs a Gunicorn master as its child on that socket and tells systemd READY=1 once all of its
   workers are ready (each accepts connections only once its model is loaded and warmed up).
-- A reload (`python -m service.process.reload`, over the control socket) starts a second master on the same
-  socket with the code now on disk. Once all of its workers are ready the old master gets TERM (its
-  workers stop accepting at once and finish what they serve), and the reload answers once the old
-  master has exited. One that cannot complete (the new master exits, or its workers are not ready
-  within --ready-timeout) stops what it started, waits until only the old master is left, and
-  answers why.
+- A reload (`python -m service.process.reload` over the control socket, or HUP or USR2, Gunicorn's
+  own reload and upgrade signals) starts a second master on the same socket with the code on disk.
+  Once all of its workers are ready the old master gets TERM (its workers stop accepting at once and
+  finish what they serve), and the reload answers once the old master has exited. One that cannot
+  complete (the new master exits, or its workers are not ready within --ready-timeout) stops what
+  it started, waits until only the old master is left, and answers why.
 - TERM (systemctl stop) takes the socket out of the store and closes it, so new connections are
   refused, and passes TERM on to the masters, which drain. RESTART_SIGNAL (the unit's
   RestartKillSignal, systemctl restart) does the same but leaves the socket in the store.
@@ -49,6 +49,9 @@ log = logging.getLogger("corechat.supervisor")
 DEFAULT_CONTROL_SOCKET = "/run/corechat/supervisor.sock"
 # The signal systemd sends for a restart (the unit's RestartKillSignal=), told apart from a stop's TERM.
 RESTART_SIGNAL = signal.SIGUSR1
+# Gunicorn's own reload and upgrade signals, which an operator may send the unit's main process: each
+# is a reload here (left to their default, they would end the unit and every stream).
+RELOAD_SIGNALS = (signal.SIGHUP, signal.SIGUSR2)
 # The unit's TimeoutStartSec bounds a reload; this leaves room in it for the old master's drain.
 DEFAULT_READY_TIMEOUT_SECONDS = 240.0
 POLL_SECONDS = 0.2
@@ -95,7 +98,8 @@ def raise_open_files_limit(wanted: int) -> None:
 class Reload:
     """A reload under way: who asked, the master it started, and how it ended once it has."""
 
-    client: socket.socket
+    # The control socket's client; None for a reload asked for by a signal (HUP, USR2), told in the log alone.
+    client: socket.socket | None
     successor: int
     deadline: float
     outcome: str = ""
@@ -103,6 +107,8 @@ class Reload:
 
     def tell(self, line: str) -> None:
         """Send the client a line (it may have gone: systemd kills ExecReload on its timeout)."""
+        if self.client is None:
+            return
         try:
             self.client.sendall(f"{line}\n".encode())
         except OSError:
@@ -116,7 +122,8 @@ class Reload:
         """Log the outcome, give it to the client, and hang up."""
         (log.info if self.ok else log.error)("reload %s: %s", "done" if self.ok else "failed", self.outcome)
         self.tell(f"{'ok' if self.ok else 'failed'}: {self.outcome}")
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 class Supervisor:
@@ -156,7 +163,7 @@ class Supervisor:
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
         wakeup_read, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wakeup_write)
-        for signum in (signal.SIGTERM, signal.SIGINT, RESTART_SIGNAL, signal.SIGCHLD):
+        for signum in (signal.SIGTERM, signal.SIGINT, RESTART_SIGNAL, signal.SIGCHLD, *RELOAD_SIGNALS):
             signal.signal(signum, lambda signum, _frame: self.signals.append(signum))
         self.selector.register(wakeup_read, selectors.EVENT_READ, lambda: os.read(wakeup_read, 512))
         if os.path.exists(self.control_path) and stat.S_ISSOCK(os.stat(self.control_path).st_mode):
@@ -214,7 +221,9 @@ class Supervisor:
             signum = self.signals.pop(0)
             if signum == signal.SIGCHLD or self.exit_status is not None:
                 continue
-            if signum == RESTART_SIGNAL:
+            if signum in RELOAD_SIGNALS:
+                self.begin_reload(None, f"{signal.Signals(signum).name} (a reload)")
+            elif signum == RESTART_SIGNAL:
                 log.info("restarting: the masters drain; the socket stays in systemd's store, so new "
                          "connections wait for the next start")
                 self.stop(0, keep_socket=True)
@@ -297,22 +306,22 @@ class Supervisor:
         except OSError:
             client.close()
             return
-        refusal = None
         if request != "reload":
-            refusal = f"unknown request {request!r} (the only one is: reload)"
-        elif self.exit_status is not None:
+            self.refuse(client, repr(request), f"unknown request {request!r} (the only one is: reload)")
+            return
+        self.begin_reload(client, "'reload'")
+
+    def begin_reload(self, client: socket.socket | None, request: str) -> None:
+        """Start a reload asked for over the control socket (client) or by a signal (None), unless it cannot start."""
+        refusal = None
+        if self.exit_status is not None:
             refusal = "corechat is stopping"
         elif not self.announced:
             refusal = "corechat is still starting: its first workers are not ready yet"
         elif self.reload:
             refusal = f"a reload is already under way (new master {self.reload.successor}); retry once it ends"
         if refusal:
-            log.warning("refused a %r request: %s", request, refusal)
-            with client:
-                try:
-                    client.sendall(f"failed: {refusal}\n".encode())
-                except OSError:
-                    pass
+            self.refuse(client, request, refusal)
             return
         successor = self.start_master()
         self.reload = Reload(client, successor, time.monotonic() + self.ready_timeout)
@@ -320,6 +329,18 @@ class Supervisor:
         self.reload.tell(f"started new master {successor} with the code on disk; waiting for its "
                          f"{self.settings.worker_count} workers to be ready")
         systemd.notify(f"STATUS=reloading: master {self.serving} serves while new master {successor} starts")
+
+    @staticmethod
+    def refuse(client: socket.socket | None, request: str, refusal: str) -> None:
+        """Log a refused request and tell its client, if it has one, why."""
+        log.warning("refused a %s request: %s", request, refusal)
+        if client is None:
+            return
+        with client:
+            try:
+                client.sendall(f"failed: {refusal}\n".encode())
+            except OSError:
+                pass
 
     def stop(self, status: int, keep_socket: bool) -> None:
         """Stop every master (they drain), and exit with status once they are gone."""

@@ -272,6 +272,31 @@ def test_reloads_in_a_row_under_traffic_fail_nothing_and_leave_one_master_then_a
         server.stop()
 
 
+def test_gunicorns_reload_and_upgrade_signals_sent_to_the_supervisor_reload_under_traffic(tmp_path, systemd):
+    """HUP and USR2, which an operator used to Gunicorn sends the unit's main process, each reload (a new
+    master, every stream served) instead of ending the unit."""
+    server = Supervised(tmp_path, systemd).start()
+    try:
+        with Traffic(server.url) as traffic:
+            time.sleep(1)
+            for signum in (signal.SIGHUP, signal.SIGUSR2):
+                before = server.masters()
+                server.process.send_signal(signum)
+
+                def replaced() -> bool:
+                    after = server.masters()
+                    return (len(after) == 1 and not set(after) & set(before)
+                            and all(len(workers) == WORKERS for workers in after.values()))
+
+                assert wait_until(replaced, 240), server.log()
+                assert server.process.poll() is None, server.log()
+            time.sleep(1)
+        assert not traffic.failures(), traffic.failures()
+        assert server.log().count("reload done") == 2
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("broken_app, ready_timeout, reason", [
     # An exception while importing the app: Gunicorn stops the new master (WORKER_BOOT_ERROR).
     ('raise RuntimeError("test: this version of the code does not start")\n', DEFAULT_READY_TIMEOUT_SECONDS,
