@@ -119,8 +119,10 @@ class ChatCompletions:
             return self._strict_auto_grammar(request)
         if request.forced_tools:
             functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
+            # A named tool_choice asks for that one call, and the reply ends after it, as OpenAI's does.
+            parallel = request.parallel_tool_calls is not False and request.effective_tool_choice == "required"
             try:
-                return tool_call_grammar(functions, parallel=request.parallel_tool_calls is not False)
+                return tool_call_grammar(functions, parallel=parallel)
             except GrammarRefused as exc:
                 raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
                                      param="tools") from None
