@@ -42,7 +42,7 @@ from pathlib import Path
 from ..settings import Settings, get_settings
 from . import systemd
 from .listener import STORED_SOCKET_NAME, listening_socket
-from .multiproc import empty_multiproc_dir, worker_reported_ready
+from .multiproc import empty_multiproc_dir, forget_worker, worker_reported_ready
 
 log = logging.getLogger("corechat.supervisor")
 
@@ -245,6 +245,11 @@ class Supervisor:
             if pid in self.masters:
                 self.masters.discard(pid)
                 self.master_exited(pid, exit_description(status))
+            else:
+                # A worker whose master died before it (a failed reload's): no master's child_exit
+                # forgets its gauges, so its readiness would count in /metrics for good.
+                forget_worker(pid, self.metrics_dir)
+                log.info("orphaned worker %d exited (%s)", pid, exit_description(status))
 
     def master_exited(self, pid: int, how: str) -> None:
         """Make sense of a master's exit: an expected one, a failed reload, or a crash."""
@@ -290,10 +295,17 @@ class Supervisor:
                 reload.end(False, f"the workers of new master {reload.successor} were not all ready within "
                                   f"{self.ready_timeout:.0f} s, so it was stopped and master {self.serving} serves "
                                   f"on: look for why they load slowly or not at all in the log above")
-        elif children(os.getpid()) == {self.serving}:
-            reload.answer()
-            self.reload = None
-            systemd.notify(f"STATUS={self.status()}")
+        else:
+            left = children(os.getpid()) - {self.serving}
+            if not left:
+                reload.answer()
+                self.reload = None
+                systemd.notify(f"STATUS={self.status()}")
+            # What a failed reload left (its master's orphaned workers) gets TERM, and KILL if it is still
+            # there past its deadline, so the reload always answers and the next one can start.
+            for pid in left - self.kill_at.keys():
+                log.warning("reload: process %d of the reload is left behind; stopping it", pid)
+                self.terminate(pid)
 
     # Requests and stopping ----------------------------------------------------------------------
 

@@ -297,6 +297,37 @@ def test_gunicorns_reload_and_upgrade_signals_sent_to_the_supervisor_reload_unde
         server.stop()
 
 
+def test_a_reload_whose_master_dies_stops_its_orphaned_workers_even_a_stuck_one(tmp_path, systemd):
+    """The new master is killed while one of its workers is ready and the other stopped (SIGSTOP) before it
+    was: the reload fails and answers, the stuck orphan is killed past its deadline, the ready one's
+    readiness leaves /metrics, and the next reload completes."""
+    server = Supervised(tmp_path, systemd, graceful_timeout=3).start()
+    try:
+        (serving,) = server.masters()
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(server.reload()), daemon=True)
+        asking.start()
+
+        def new_workers() -> set[int]:
+            return set().union(*(workers for master, workers in server.masters().items() if master != serving))
+
+        assert wait_until(lambda: len(new_workers()) == WORKERS, 120), server.log()
+        (successor,) = set(server.masters()) - {serving}
+        stuck, ready = sorted(new_workers())
+        os.kill(stuck, signal.SIGSTOP)
+        assert wait_until(lambda: value(scrape(server), "corechat_workers_ready") == WORKERS + 1, 120), server.log()
+        os.kill(successor, signal.SIGKILL)
+        asking.join(60)
+        assert answers and answers[0].returncode == 1, server.log()
+        assert "failed: the new Gunicorn master" in answers[0].stderr, answers[0].stderr
+        assert set(server.masters()) == {serving} and not {stuck, ready} & set(children(server.process.pid))
+        assert value(scrape(server), "corechat_workers_ready") == WORKERS
+        again = server.reload()
+        assert again.returncode == 0, again.stdout + again.stderr + server.log()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("broken_app, ready_timeout, reason", [
     # An exception while importing the app: Gunicorn stops the new master (WORKER_BOOT_ERROR).
     ('raise RuntimeError("test: this version of the code does not start")\n', DEFAULT_READY_TIMEOUT_SECONDS,
