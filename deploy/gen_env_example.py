@@ -22,11 +22,13 @@ HEADER = """\
 
 # Production values that differ from the developer defaults: the model lives in a read-only folder
 # outside any home directory (the unit sets ProtectHome=), and Redis is the hardened local instance
-# of deploy/redis/corechat.conf, whose password install.sh generates. Names absent from Settings
+# of deploy/redis/corechat.conf (and KV state its own, deploy/redis/corechat-kv.conf), whose password
+# install.sh generates. Names absent from Settings
 # are skipped, so the example stays valid on branches without those settings.
 PRODUCTION_VALUES = {
     "model": "/srv/corechat/model",
     "redis_url": "redis://corechat:CHANGE-ME-corechat-redis-password@127.0.0.1:6380/0",
+    "shared_kv_redis_url": "redis://corechat:CHANGE-ME-corechat-redis-password@127.0.0.1:6381/0",
 }
 
 

@@ -13,7 +13,7 @@
 #
 # Needs python3-venv and g++ (the kernels are compiled for this CPU at install).
 # Lays out: PREFIX/app (the code), PREFIX/venv, /etc/corechat/corechat.env, the unit in
-# /etc/systemd/system, Redis in /etc/redis/redis-corechat.conf, nginx in /etc/nginx/conf.d, and the
+# /etc/systemd/system, Redis in /etc/redis/redis-corechat.conf (and -kv.conf), nginx in /etc/nginx/conf.d, and the
 # model folder /srv/corechat/model (put the model's files there).
 set -euo pipefail
 
@@ -122,6 +122,7 @@ REDIS_PASSWORD=$(redis_password corechat)
 REDIS_ADMIN_PASSWORD=$(redis_password admin)
 install_config "$SOURCE/deploy/corechat.env.example" /etc/corechat/corechat.env 0640 corechat
 install_config "$SOURCE/deploy/redis/corechat.conf" /etc/redis/redis-corechat.conf 0640 redis
+install_config "$SOURCE/deploy/redis/corechat-kv.conf" /etc/redis/redis-corechat-kv.conf 0640 redis
 install_config "$SOURCE/deploy/nginx/corechat.conf" /etc/nginx/conf.d/corechat.conf 0644 root
 # nginx serves HTTPS only, from these two files: a certificate given here replaces them; without
 # one, a self-signed certificate is made once (replace it before other hosts' clients use the API).
@@ -170,7 +171,7 @@ elif [ -e "$ROOT$DEFAULT_SITE" ]; then
 fi
 
 host systemctl daemon-reload
-host systemctl enable --now redis-server@corechat.service
+host systemctl enable --now redis-server@corechat.service redis-server@corechat-kv.service
 host systemctl enable corechat.service
 host systemctl restart corechat.service
 host sh -c 'nginx -t && systemctl reload nginx'

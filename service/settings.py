@@ -222,6 +222,12 @@ class Settings(BaseSettings):
         64, ge=1, description="Largest KV state (one conversation turn) sent to Redis with SHARED_KV_TTL_SECONDS; a "
         "worker holds one such entry in memory while it fetches it."
     )
+    shared_kv_redis_url: SecretStr = Field(
+        SecretStr(""), description="Redis for the KV state SHARED_KV_TTL_SECONDS shares, apart from REDIS_URL's "
+        "replies: entries of up to SHARED_KV_MAX_MB in the replies' Redis would push cached replies, single-flight "
+        "locks and streams out of its memory. The shipped deploy/redis/corechat-kv.conf is such an instance "
+        "(127.0.0.1:6381). Same URL forms as REDIS_URL; empty: REDIS_URL itself (with a warning at start)."
+    )
     shared_kv_socket_timeout_seconds: float = Field(
         2.0, gt=0, description="Redis read and write timeout for shared KV state: a fetch that takes longer is "
         "given up and the prompt computed."

@@ -1,4 +1,5 @@
-"""Conversation turns' KV state in Redis, for the hosts that share it (SHARED_KV_TTL_SECONDS).
+"""Conversation turns' KV state in Redis, for the hosts that share it (SHARED_KV_TTL_SECONDS), on a Redis
+apart from the replies' (SHARED_KV_REDIS_URL), so large KV entries never evict cached replies.
 
 The engine's prefix store (service/engine/prefixes.py) keeps a host's stored sequences as files;
 this keeps finished turns' files in Redis under their names, so a turn that lands on another host
@@ -38,10 +39,14 @@ class RedisPrefixes:
 
     @classmethod
     def from_settings(cls, settings) -> "RedisPrefixes | None":
-        """Return the shared store SHARED_KV_TTL_SECONDS and REDIS_URL ask for, or None."""
-        url = settings.redis_url.get_secret_value()
+        """Return the shared store SHARED_KV_TTL_SECONDS asks for, on SHARED_KV_REDIS_URL (else REDIS_URL), or None."""
+        url = settings.shared_kv_redis_url.get_secret_value() or settings.redis_url.get_secret_value()
         if not url or not settings.shared_kv_ttl_seconds:
             return None
+        if not settings.shared_kv_redis_url.get_secret_value():
+            log.warning("SHARED_KV_TTL_SECONDS keeps KV state in REDIS_URL's Redis beside the cached replies, whose "
+                        "least recently used keys it will push out; give it a Redis of its own with "
+                        "SHARED_KV_REDIS_URL (deploy/redis/corechat-kv.conf)")
         return cls(url, ttl_seconds=settings.shared_kv_ttl_seconds, max_bytes=settings.shared_kv_max_mb * 1024 * 1024,
                    connect_timeout=settings.cache_connect_timeout_seconds,
                    socket_timeout=settings.shared_kv_socket_timeout_seconds,

@@ -15,6 +15,7 @@ MAKE_TLS_CERT = DEPLOY / "nginx" / "make-tls-cert.sh"
 # Where the shipped site reads its certificate, as install.sh lays it out.
 TLS_DIR = "/etc/corechat/tls"
 REDIS_CONF = DEPLOY / "redis" / "corechat.conf"
+REDIS_KV_CONF = DEPLOY / "redis" / "corechat-kv.conf"
 # The placeholders of the shipped Redis config (install.sh replaces them with generated passwords).
 REDIS_CORECHAT_PASSWORD = "CHANGE-ME-corechat-redis-password"
 REDIS_ADMIN_PASSWORD = "CHANGE-ME-admin-redis-password"
@@ -135,11 +136,13 @@ class NginxServer:
 
 
 class ShippedRedis:
-    """redis-server running the shipped deploy/redis/corechat.conf, on a free port in work_dir."""
+    """redis-server running a shipped config (deploy/redis/corechat.conf, or corechat-kv.conf), on a free port
+    in work_dir."""
 
-    def __init__(self, work_dir: Path):
+    def __init__(self, work_dir: Path, conf: Path = REDIS_CONF):
         self.port = free_port()
         self.work_dir = work_dir
+        self.conf = conf
         self.process: subprocess.Popen | None = None
 
     def url(self, user: str = "corechat", password: str = REDIS_CORECHAT_PASSWORD) -> str:
@@ -153,8 +156,8 @@ class ShippedRedis:
         `dir` as it reads it, and /var/lib/redis lets in only root and redis, so any other user running
         the tests stopped at the shipped line.
         """
-        config = self.work_dir / "corechat.conf"
-        config.write_text(re.sub(r"^dir .*$", f"dir {self.work_dir}", REDIS_CONF.read_text(), count=1, flags=re.M))
+        config = self.work_dir / self.conf.name
+        config.write_text(re.sub(r"^dir .*$", f"dir {self.work_dir}", self.conf.read_text(), count=1, flags=re.M))
         self.process = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", str(config), "--port", str(self.port),
              "--pidfile", str(self.work_dir / "redis.pid")],

@@ -12,10 +12,13 @@ import redis
 import requests
 
 from harness import REPO, free_port
+from service.cache.kvshare import RedisPrefixes
 from service.settings import Settings
 from tests.e2e.deploy_support import (
     DEPLOY,
     REDIS_ADMIN_PASSWORD,
+    REDIS_CONF,
+    REDIS_KV_CONF,
     TLS_DIR,
     ShippedRedis,
     make_tls_cert,
@@ -97,11 +100,15 @@ def test_install_twice_gives_the_same_tree(tmp_path):
     assert "staging root, not run: systemctl daemon-reload" in first_run.stdout
     for path in ("opt/corechat/app/wsgi.py", "opt/corechat/app/service/settings.py", "opt/corechat/venv/bin/python",
                  "etc/systemd/system/corechat.service", "etc/corechat/corechat.env",
-                 "etc/redis/redis-corechat.conf", "etc/nginx/conf.d/corechat.conf", "srv/corechat/model"):
+                 "etc/redis/redis-corechat.conf", "etc/redis/redis-corechat-kv.conf", "etc/nginx/conf.d/corechat.conf",
+                 "srv/corechat/model"):
         assert path in first, path
     env_mode, env_text = first["etc/corechat/corechat.env"]
     assert env_mode & 0o777 == 0o640
     assert b"CHANGE-ME" not in env_text and b"CHANGE-ME" not in first["etc/redis/redis-corechat.conf"][1]
+    assert b"CHANGE-ME" not in first["etc/redis/redis-corechat-kv.conf"][1]
+    assert "staging root, not run: systemctl enable --now redis-server@corechat.service " \
+           "redis-server@corechat-kv.service" in first_run.stdout
 
 
 def test_install_copies_every_file_the_service_needs(tmp_path):
@@ -330,6 +337,36 @@ def test_redis_runs_the_shipped_config_as_an_lru_cache(shipped_redis):
     assert admin.config_get("appendonly") == {"appendonly": "no"}
     assert admin.config_get("protected-mode") == {"protected-mode": "yes"}
     assert int(admin.config_get("maxmemory")["maxmemory"]) > 0
+
+
+@pytest.fixture()
+def shipped_kv_redis(tmp_path):
+    """Run redis-server from the shipped config of the KV state's instance."""
+    server = ShippedRedis(tmp_path, REDIS_KV_CONF).start()
+    yield server
+    server.stop()
+
+
+def test_the_kv_states_redis_is_an_lru_cache_of_its_own_reaching_only_kv_keys(shipped_kv_redis):
+    """Shared KV state has a Redis apart from the replies' (its entries would evict them), whose corechat user
+    reads and writes corechat:kv:* only, as kvshare.py does."""
+    admin = redis.Redis.from_url(shipped_kv_redis.url("admin", REDIS_ADMIN_PASSWORD))
+    assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+    assert admin.config_get("save") == {"save": ""} and admin.config_get("appendonly") == {"appendonly": "no"}
+    assert int(admin.config_get("maxmemory")["maxmemory"]) > 0
+    assert int(admin.config_get("port")["port"]) == shipped_kv_redis.port
+    assert "port 6381" in REDIS_KV_CONF.read_text() and "port 6380" in REDIS_CONF.read_text()
+    shared = RedisPrefixes(shipped_kv_redis.url(), ttl_seconds=60, max_bytes=1 << 20, connect_timeout=1.0,
+                           socket_timeout=5.0)
+    shared.publish("model/turn.safetensors", memoryview(b"kv state"))
+    assert shared.fetch(["model/other.safetensors", "model/turn.safetensors"]) == ("model/turn.safetensors",
+                                                                                   b"kv state")
+    assert shared.breaker.closed()
+    kv = redis.Redis.from_url(shipped_kv_redis.url())
+    for forbidden in (lambda: kv.set("corechat:v2:reply:x", "x"), lambda: kv.xadd("corechat:kv:s", {"a": "b"}),
+                      lambda: kv.keys("*"), lambda: kv.flushall()):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
 
 
 def test_redis_corechat_user_reaches_only_its_own_keys_and_commands(shipped_redis):

@@ -2,9 +2,11 @@
 lands on another host fetches its conversation's KV state and answers with the same bytes."""
 
 import pytest
+import redis
 import requests
 
 from harness import RedisServer, ready_facts
+from tests.support import wait_until
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 QUESTION = "Please keep count of the words I say: " + "apple banana cherry " * 30
@@ -27,16 +29,26 @@ def the_token_id(server) -> int:
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    """Run a throwaway Redis."""
+    """Run a throwaway Redis for the shared KV state."""
     server = RedisServer(tmp_path_factory.mktemp("shared-kv-redis")).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def hosts(redis_server, gunicorn):
-    """Run two 'hosts': Gunicorn servers with folders of their own, sharing one Redis for KV state."""
-    settings = {"workers": 1, "redis_url": redis_server.url, "shared_kv_ttl_seconds": 600, "max_model_len": 2048}
+def replies_redis(tmp_path_factory):
+    """Run a throwaway Redis for the cached replies."""
+    server = RedisServer(tmp_path_factory.mktemp("replies-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hosts(redis_server, replies_redis, gunicorn):
+    """Run two 'hosts': Gunicorn servers with folders of their own, sharing one Redis for replies and another
+    for KV state, as the shipped deployment does."""
+    settings = {"workers": 1, "redis_url": replies_redis.url, "shared_kv_redis_url": redis_server.url,
+                "shared_kv_ttl_seconds": 600, "max_model_len": 2048}
     with (gunicorn(**settings) as first,
           gunicorn(**settings) as second):
         yield first, second
@@ -60,6 +72,19 @@ def test_the_next_turn_on_another_host_fetches_the_conversation_and_answers_the_
     at_home = chat(first, conversation, max_tokens=16)
     assert at_home["usage"]["prompt_tokens_details"]["cached_tokens"] == turn["usage"]["total_tokens"] - 1
     assert elsewhere["choices"][0]["message"]["content"] == at_home["choices"][0]["message"]["content"]
+
+
+def test_kv_state_goes_to_its_own_redis_and_never_beside_the_cached_replies(hosts, redis_server, replies_redis):
+    """Entries of megabytes would push replies out of their Redis's memory: each kind has its own."""
+    first, _ = hosts
+    question = [{"role": "user", "content": "Where does my state go? " + QUESTION}]
+    response = requests.post(f"{first.url}/v1/chat/completions", timeout=120,
+                             json={"messages": question, "temperature": 0, "max_tokens": 4})
+    assert response.status_code == 200 and response.headers["X-Cache"] == "miss"
+    kv, replies = redis.Redis(port=redis_server.port), redis.Redis(port=replies_redis.port)
+    assert wait_until(lambda: kv.keys("corechat:kv:*"), 30)
+    assert replies.keys("corechat:*") and not replies.keys("corechat:kv:*")
+    assert not set(kv.keys("*")) - set(kv.keys("corechat:kv:*"))
 
 
 def test_a_host_without_redis_computes_the_prompt_and_answers(hosts, redis_server):

@@ -4,7 +4,9 @@ from dataclasses import replace
 
 from service.cache import cache_key
 from service.cache.entries import is_complete, reply_key
+from service.cache.kvshare import RedisPrefixes
 from service.engine import Finished, SamplingParams
+from service.settings import Settings
 
 # Keys ---------------------------------------------------------------------------------------
 
@@ -37,3 +39,14 @@ def test_only_replies_that_ended_on_their_own_or_at_max_tokens_are_complete():
     assert is_complete(Finished("length", 5, 10, 0.0, 0.0), params)
     assert not is_complete(Finished("length", 5, 4, 0.0, 0.0), params)  # cut by max_generation_seconds
     assert not is_complete(Finished("cancelled", 5, 4, 0.0, 0.0), params)
+
+
+def test_shared_kv_state_in_the_replies_redis_is_warned_of_at_start(caplog):
+    settings = Settings(redis_url="redis://127.0.0.1:6380/0", shared_kv_ttl_seconds=60)
+    assert RedisPrefixes.from_settings(settings) is not None
+    assert "give it a Redis of its own with SHARED_KV_REDIS_URL" in caplog.text
+    caplog.clear()
+    apart = Settings(redis_url="redis://127.0.0.1:6380/0", shared_kv_redis_url="redis://127.0.0.1:6381/0",
+                     shared_kv_ttl_seconds=60)
+    assert RedisPrefixes.from_settings(apart).client.connection_pool.connection_kwargs["port"] == 6381
+    assert "SHARED_KV_REDIS_URL" not in caplog.text

@@ -227,3 +227,4 @@ def test_a_turn_in_the_shared_store_is_fetched_before_queueing_and_only_in_its_s
     assert away.prefetch(prompt, alice)
     assert away.lookup(prompt, alice)[1] == 200
     assert not away.prefetch(prompt, alice)  # this host has it now: no second fetch
+
