@@ -172,6 +172,8 @@ def check_install(deployment: Deployment, began: float) -> list[Row]:
     warned = "below the 65536 the unit asks for" in deployment.journal(began)
     security = deployment.machine.run("systemd-analyze security corechat --no-pager | tail -1").stdout
     score = re.search(r"exposure level for corechat\.service: (.+)$", security.strip())
+    redis = deployment.machine.run("systemctl is-active redis-server@corechat redis-server@corechat-kv",
+                                   check=False).stdout.strip()
     return [
         Row("install.sh --dev-model tiny, as documented: unit active, /readyz 200 at once",
             state["ActiveState"] == "active" and ready_at_once == "200",
@@ -179,6 +181,8 @@ def check_install(deployment: Deployment, began: float) -> list[Row]:
         Row("LimitNOFILE capped below the unit's 65536: a warning at start", warned == (soft < 65536),
             f"open-files limit {soft}; {'warned' if warned else 'no warning'}"),
         Row("systemd-analyze security (live)", bool(score), score.group(1) if score else security),
+        Row("the replies' and the KV state's Redis instances run apart", redis == "active\nactive",
+            f"redis-server@corechat, redis-server@corechat-kv: {redis.replace(chr(10), ', ')}"),
     ]
 
 
@@ -210,6 +214,38 @@ def check_reload(deployment: Deployment, number: int, workers: int, first_main: 
                f"{'' if not new_workers & old_workers else ' (old workers remain)'}"
                + (f"; {failures[0]}" if failures else "")
                + (f"; {result.stderr.strip()[-300:]}" if result.returncode else ""))
+
+
+def check_signal_reload(deployment: Deployment, signal_name: str, workers: int, first_main: int) -> Row:
+    """Gunicorn's reload or upgrade signal sent to the unit's main process under traffic: a reload (nothing
+    fails, no gap of a second, one master with new workers, the same MainPID), not the unit's end."""
+    before = deployment.processes()
+    old_workers = {pid for pids in before["masters"].values() for pid in pids}
+    with Traffic(deployment.machine, f"signal-{signal_name}", STEADY) as traffic:
+        time.sleep(WARM_SECONDS)
+        began = time.time()
+        deployment.machine.run(f"systemctl kill -s {signal_name} --kill-whom=main corechat")
+        deadline = time.monotonic() + 300
+        while True:
+            after = deployment.processes()
+            shape_held, shape = one_master(after, workers)
+            new_workers = {pid for pids in after["masters"].values() for pid in pids}
+            if (shape_held and new_workers and not new_workers & old_workers) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        ended = time.time()
+        time.sleep(AFTER_SECONDS)
+    requests = during(traffic.results(), began, ended)
+    failures = [request for request in requests if failed(request)]
+    gap = longest_gap(traffic.results(), began, ended)
+    active = deployment.show("ActiveState")["ActiveState"]
+    held = (shape_held and not new_workers & old_workers and after["main"] == first_main and not failures
+            and gap < GAP_LIMIT_SECONDS and active == "active")
+    return Row(f"SIG{signal_name} to the main process under traffic: a reload", held,
+               f"unit {active}; new workers in {ended - began:.1f} s; {len(requests)} requests, {len(failures)} "
+               f"failed; longest gap {gap:.2f} s; after: {shape}"
+               f"{'' if after['main'] == first_main else ' (MainPID CHANGED)'}"
+               + (f"; {failures[0]}" if failures else ""))
 
 
 def check_failed_reload(deployment: Deployment) -> Row:
@@ -331,6 +367,7 @@ def checks(machine: Machine) -> list[Row]:
     rows = check_install(deployment, began)
     first_main = deployment.processes()["main"]
     rows += [check_reload(deployment, number, workers, first_main) for number in range(1, RELOADS_IN_A_ROW + 1)]
+    rows += [check_signal_reload(deployment, name, workers, first_main) for name in ("HUP", "USR2")]
     rows.append(check_failed_reload(deployment))
     rows.append(check_stop(deployment))
     result, took = deployment.systemctl("start")
