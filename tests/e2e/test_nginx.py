@@ -12,7 +12,9 @@ import pytest
 import requests
 
 from harness import COUNTING, DONE, sse_payload
+from service.settings import Settings
 from tests.e2e.deploy_support import NginxServer
+from tests.e2e.never_readers import NEVER_READING, Prober, never_reading_stream, tls
 from tests.support import wait_until
 
 LONG_REPLY = {"messages": COUNTING, "max_tokens": 1500, "temperature": 0}
@@ -21,6 +23,12 @@ READ_TIMEOUT_SECONDS = 2
 PING_SECONDS = 0.5
 # Long generations end at this cap (finish_reason "length"), which keeps the tests' duration bounded.
 GENERATION_CAP_SECONDS = 5
+DEFAULTS = Settings.model_construct()
+# nginx's send_timeout, which the shipped site leaves at its default: a client that reads nothing this long is closed.
+NGINX_SEND_TIMEOUT_SECONDS = 60
+# A stream of many megabytes (twenty alternatives a token), more than nginx and the kernel buffer.
+NEVER_READ_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "stream": True,
+                     "temperature": 0, "logprobs": True, "top_logprobs": 20}
 
 
 def start_stack(gunicorn, nginx_dir, **settings):
@@ -211,3 +219,38 @@ def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(sta
     kinds = [kind for kind, _ in events]
     assert kinds[-1] == "done", gunicorn.log()
     assert "content" in kinds
+
+
+@pytest.fixture(scope="module")
+def default_stack(tmp_path_factory, gunicorn):
+    """Gunicorn as `make serve` runs it (2 workers, every setting at its default) behind the shipped nginx config."""
+    with gunicorn(workers=2) as upstream:
+        nginx = NginxServer(tmp_path_factory.mktemp("nginx-defaults"), [upstream.port]).start()
+        yield upstream, nginx
+        nginx.stop()
+
+
+def test_through_nginx_a_fresh_request_is_answered_at_once_while_60_clients_never_read(default_stack):
+    """60 streams that are never read, from three addresses (nginx lets each at most 32 connections), fill
+    both workers' places; a client at another address is answered or refused at once every second,
+    from before the places fill until nginx's send timeout (60 s) or the workers' send deadline has
+    freed them and a chat request is served again."""
+    upstream, nginx = default_stack
+    connect = tls(nginx.port)
+
+    def chat_statuses() -> list[int]:
+        return [status for kind, status, _ in prober.answers if kind == "chat"]
+
+    # /healthz through nginx is loopback's alone (127.0.0.1): another address asks for the model list.
+    with Prober(connect, source=("127.0.0.2", 0), quick_path="/v1/models") as prober:
+        clients = [never_reading_stream(lambda source, timeout, buffer, index=index: connect(
+            (f"127.0.0.{10 + index % 3}", 0), timeout, buffer), NEVER_READ_STREAM) for index in range(NEVER_READING)]
+        try:
+            full = wait_until(lambda: 503 in chat_statuses(), 60)
+            freed = wait_until(lambda: chat_statuses()[-1] == 200 and 503 in chat_statuses(),
+                               NGINX_SEND_TIMEOUT_SECONDS + DEFAULTS.send_timeout_seconds + 60)
+        finally:
+            for sock in clients:
+                sock.close()
+    assert full and freed, (prober.answers, upstream.log()[-3000:])
+    assert not prober.late_or_unanswered({"chat": {200, 503}, "quick": {200}}), prober.answers

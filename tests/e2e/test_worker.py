@@ -22,6 +22,7 @@ from harness.loadgen import (
     run_exchanges,
 )
 from service.settings import Settings
+from tests.e2e.never_readers import NEVER_READING, PROBE_INTERVAL_SECONDS, Prober, never_reading_stream, plain
 
 pytestmark = pytest.mark.serial
 
@@ -130,8 +131,6 @@ def test_client_that_closes_a_non_streamed_request_frees_its_engine_slot(default
     assert time.monotonic() - closed_at < 2.0
 
 
-# Above the 2 x (MAX_RUNNING + MAX_QUEUE) = 48 places of the default server.
-NEVER_READING = 60
 # A stream long enough to fill any socket buffer long before it ends.
 # Twenty alternatives per token make a reply of many megabytes: more than the kernel buffers on
 # loopback (a send buffer autotunes up to 4 MiB), so every such stream blocks and meets the deadline.
@@ -139,59 +138,39 @@ LONG_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "s
                "logprobs": True, "top_logprobs": 20}
 
 
-def never_reading_stream(port: int) -> socket.socket:
-    """Open a streamed chat request whose client sets a small receive window and never reads."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    body = json.dumps(LONG_STREAM).encode()
-    sock.sendall(CHAT + b"Cache-Control: no-cache\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    return sock
-
-
-def answered_at_once(port: int) -> tuple[int, int]:
-    """Send a fresh streamed chat request and a probe; return the status of each, which must come at
-    once: a stream is served from its headers on (before any token), a request with no place is
-    refused."""
-    body = json.dumps({"messages": COUNTING, "max_tokens": 2, "stream": True}).encode()
-    statuses = []
-    stream = CHAT + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    for raw in (stream, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(raw)
-            statuses.append(int(sock.recv(12).split()[1]))
-    return statuses[0], statuses[1]
-
-
 def test_clients_that_never_read_lose_their_places_at_the_send_deadline(default_server):
     """60 streams whose clients never read, above the defaults' capacity: a fresh request is served or
-    refused at once throughout, and the streams that filled their buffers are cut at
-    SEND_TIMEOUT_SECONDS, their generations cancelled and counted."""
+    refused at once throughout, probed every second from before the places fill until after the send
+    deadline freed them, and the streams that filled their buffers are cut at SEND_TIMEOUT_SECONDS,
+    their generations cancelled and counted."""
     before = scrape(default_server)
-    clients = [never_reading_stream(default_server.port) for _ in range(NEVER_READING)]
-    try:
-        wait_for_samples(default_server, lambda samples: value(samples, "corechat_requests_running") > 0, timeout=30)
-        chat_status, probe_status = answered_at_once(default_server.port)
-        assert chat_status in (200, 503) and probe_status == 200
-        running = 2 * DEFAULTS.max_running
-        cut = wait_for_samples(
-            default_server,
-            lambda samples: (value(samples, "corechat_send_timeouts_total")
-                             - value(before, "corechat_send_timeouts_total")) >= running,
-            timeout=DEFAULTS.send_timeout_seconds + 60,
-        )
-        cancelled = value(cut, "corechat_requests_total", outcome="cancelled") - value(
-            before, "corechat_requests_total", outcome="cancelled")
-        assert cancelled >= running
-        chat_status, probe_status = answered_at_once(default_server.port)
-        assert chat_status in (200, 503) and probe_status == 200
-        log = default_server.log_path.read_text(errors="replace")
-        assert "read nothing of its response" in log
-        # The refusals of the requests beyond the places are in the access log.
-        assert '"POST /v1/chat/completions HTTP/1.1" 503' in log
-    finally:
-        for sock in clients:
-            sock.close()
+    connect = plain(default_server.port)
+    with Prober(connect) as prober:
+        clients = [never_reading_stream(connect, LONG_STREAM) for _ in range(NEVER_READING)]
+        try:
+            wait_for_samples(default_server, lambda samples: value(samples, "corechat_requests_running") > 0,
+                             timeout=30)
+            running = 2 * DEFAULTS.max_running
+            cut = wait_for_samples(
+                default_server,
+                lambda samples: (value(samples, "corechat_send_timeouts_total")
+                                 - value(before, "corechat_send_timeouts_total")) >= running,
+                timeout=DEFAULTS.send_timeout_seconds + 60,
+            )
+            time.sleep(3 * PROBE_INTERVAL_SECONDS)
+        finally:
+            for sock in clients:
+                sock.close()
+    assert len(prober.answers) >= 2 * DEFAULTS.send_timeout_seconds / (PROBE_INTERVAL_SECONDS + 1)
+    assert not prober.late_or_unanswered({"chat": {200, 503}, "quick": {200}}), prober.answers
+    assert {503} <= {status for kind, status, _ in prober.answers if kind == "chat"}  # the places did fill
+    cancelled = value(cut, "corechat_requests_total", outcome="cancelled") - value(
+        before, "corechat_requests_total", outcome="cancelled")
+    assert cancelled >= running
+    log = default_server.log_path.read_text(errors="replace")
+    assert "read nothing of its response" in log
+    # The refusals of the requests beyond the places are in the access log.
+    assert '"POST /v1/chat/completions HTTP/1.1" 503' in log
     wait_for_samples(
         default_server,
         lambda samples: value(samples, "corechat_requests_running") == value(samples, "corechat_requests_waiting") == 0,
