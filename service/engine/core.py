@@ -278,6 +278,7 @@ class Engine:
         A generation that could never fit the KV budget, even alone, is a caller's error (ValueError).
         """
         generation = self._generation(prompt_ids, params, forced_ids, kv_scope)
+        self._fetch_shared_prefix(generation)
         self._queue(generation)
         return generation
 
@@ -289,22 +290,23 @@ class Engine:
         rows; errors as submit's.
         """
         group = ChoiceGroup([self._generation(prompt_ids, params, (), kv_scope) for params in choice_params])
+        self._fetch_shared_prefix(group.lead)
         self._queue(group.lead)
         return group
 
     def _generation(self, prompt_ids: list[int], params: SamplingParams, forced_ids: tuple[int, ...],
                     kv_scope: KvScope) -> Generation:
-        """Make a generation with its grammar's matcher, and fetch its conversation's KV state from beyond the host.
-
-        Both are done here, in the request's thread: the first matcher builds the view of the
-        vocabulary, and the fetch waits for the network; the engine's thread must wait for neither.
-        """
+        """Make a generation with its grammar's matcher."""
+        # Made here, in the request's thread: the first one builds the view of the vocabulary, which the engine must not wait for.
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        generation = Generation(prompt_ids, params, forced_ids, grammar, kv_scope)
+        return Generation(prompt_ids, params, forced_ids, grammar, kv_scope)
+
+    def _fetch_shared_prefix(self, generation: Generation) -> None:
+        """Fetch the generation's conversation from beyond the host into the host's prefix store, here in the
+        request's thread: the engine's thread must never wait for the network."""
         scheduler = self._scheduler
-        if scheduler is not None and params.prompt_logprobs is None:
-            scheduler.prefixes.prefetch(generation.input_ids, kv_scope)
-        return generation
+        if scheduler is not None and generation.params.prompt_logprobs is None:
+            scheduler.prefixes.prefetch(generation.input_ids, generation.kv_scope)
 
     def _queue(self, generation: Generation) -> None:
         """Put a generation (and its sibling choices) in the queue if its places are free."""

@@ -160,11 +160,16 @@ class PrefixStore:
     def _refresh(self, entry: _ScopeFolder) -> None:
         """Read the ids of the files other workers stored in a scope's folder since the last look; forget
         the ones evicted."""
+        names = set()
         try:
-            names = {item.name for item in os.scandir(entry.folder.path)
-                     if item.name.endswith(SUFFIX) and own_file(item.stat(follow_symlinks=False))}
+            for item in os.scandir(entry.folder.path):
+                try:
+                    if item.name.endswith(SUFFIX) and own_file(item.stat(follow_symlinks=False)):
+                        names.add(item.name)
+                except FileNotFoundError:
+                    continue  # evicted since the folder was listed
         except FileNotFoundError:
-            names = set()
+            pass  # the folder itself is gone: nothing is stored
         for gone in entry.ids.keys() - names:
             del entry.ids[gone]
         for name in names - entry.ids.keys():
