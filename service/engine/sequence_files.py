@@ -33,7 +33,7 @@ def sequence_name(ids) -> str:
     return hashlib.sha256(key.numpy().tobytes()).hexdigest()[:32] + SUFFIX
 
 
-def forward_code_version() -> str:
+def forward_code_version(engine_dir: Path = ENGINE_DIR) -> str:
     """Return a digest of the code that computes KV state (the engine's sources and torch's version).
 
     Stored KV state is named by it beside the weights, so a worker running other code (after a
@@ -41,8 +41,8 @@ def forward_code_version() -> str:
     compute the same way.
     """
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted([*ENGINE_DIR.rglob("*.py"), *(ENGINE_DIR / "kernels" / "csrc").iterdir()]):
-        digest.update(str(path.relative_to(ENGINE_DIR)).encode() + b"\0" + path.read_bytes())
+    for path in sorted([*engine_dir.rglob("*.py"), *(engine_dir / "kernels" / "csrc").iterdir()]):
+        digest.update(str(path.relative_to(engine_dir)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 

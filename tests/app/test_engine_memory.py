@@ -17,3 +17,11 @@ def test_the_budget_arithmetic_matches_the_pool_and_the_stored_state(engine):
     assert all(tuple(layer.shape) == pool.stored_shape(length) for layer in layers)
     held = sum(layer.nbytes for layer in layers)
     assert held == -(-len(prompt) // PAGE_TOKENS) * PAGE_TOKENS * engine.facts.kv_bytes_per_token
+
+
+def test_the_engines_stored_kv_state_is_named_by_its_weights_format_layout_and_code(engine):
+    from service.engine.sequence_files import forward_code_version
+
+    prefixes = engine._scheduler.prefixes
+    assert prefixes.model_key == (f"{engine.fingerprint}-{engine.settings.dtype}-{engine._scheduler.runner.kv_layout}"
+                                  f"-{forward_code_version()}")

@@ -18,7 +18,13 @@ from service.cache.kvshare import RedisPrefixes
 from service.engine import KvScope
 from service.engine.prefix_folder import MIN_FREE_FRACTION
 from service.engine.prefixes import PrefixStore
-from service.engine.sequence_files import SequenceFormat, sequence_name, write_sequence
+from service.engine.sequence_files import (
+    ENGINE_DIR,
+    SequenceFormat,
+    forward_code_version,
+    sequence_name,
+    write_sequence,
+)
 
 LAYERS = 2
 END_OF_TURN = 9
@@ -228,3 +234,15 @@ def test_a_turn_in_the_shared_store_is_fetched_before_queueing_and_only_in_its_s
     assert away.lookup(prompt, alice)[1] == 200
     assert not away.prefetch(prompt, alice)  # this host has it now: no second fetch
 
+
+
+def test_stored_kv_state_is_named_by_the_code_that_computes_it(tmp_path):
+    """A release whose forward code differs (a kernel's C++, the engine's Python) names its stored KV state
+    otherwise, so it never continues from an older release's, on this host or through Redis."""
+    engine = tmp_path / "engine"
+    shutil.copytree(ENGINE_DIR, engine, ignore=shutil.ignore_patterns("__pycache__"))
+    assert forward_code_version(engine) == forward_code_version()
+    for changed in (engine / "kernels" / "csrc" / "kernels.h", engine / "qwen2.py"):
+        before = forward_code_version(engine)
+        changed.write_text(changed.read_text() + "\n// another release\n")
+        assert forward_code_version(engine) != before, changed.name
