@@ -273,26 +273,30 @@ def test_reloads_in_a_row_under_traffic_fail_nothing_and_leave_one_master_then_a
 
 
 def test_gunicorns_reload_and_upgrade_signals_sent_to_the_supervisor_reload_under_traffic(tmp_path, systemd):
-    """HUP and USR2, which an operator used to Gunicorn sends the unit's main process, each reload (a new
-    master, every stream served) instead of ending the unit."""
+    """HUP and USR2, which an operator used to Gunicorn sends the unit's main process, ask for a reload
+    instead of ending the unit: HUP's runs under traffic (a new master, every request served), and USR2
+    sent during it is a second reload request, refused as one while the first is under way."""
     server = Supervised(tmp_path, systemd).start()
     try:
+        before = server.masters()
+
+        def replaced() -> bool:
+            after = server.masters()
+            return (len(after) == 1 and not set(after) & set(before)
+                    and all(len(workers) == WORKERS for workers in after.values()))
+
         with Traffic(server.url) as traffic:
             time.sleep(1)
-            for signum in (signal.SIGHUP, signal.SIGUSR2):
-                before = server.masters()
-                server.process.send_signal(signum)
-
-                def replaced() -> bool:
-                    after = server.masters()
-                    return (len(after) == 1 and not set(after) & set(before)
-                            and all(len(workers) == WORKERS for workers in after.values()))
-
-                assert wait_until(replaced, 240), server.log()
-                assert server.process.poll() is None, server.log()
+            server.process.send_signal(signal.SIGHUP)
+            assert wait_until(lambda: len(server.masters()) == 2, 60), server.log()
+            server.process.send_signal(signal.SIGUSR2)
+            assert wait_until(replaced, 240), server.log()
             time.sleep(1)
+        assert server.process.poll() is None, server.log()
         assert not traffic.failures(), traffic.failures()
-        assert server.log().count("reload done") == 2
+        log = server.log()
+        assert log.count("reload done") == 1
+        assert "refused a SIGUSR2 (a reload) request: a reload is already under way" in log
     finally:
         server.stop()
 
