@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import logging
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -43,6 +42,7 @@ from ..settings import Settings, get_settings
 from . import systemd
 from .listener import STORED_SOCKET_NAME, listening_socket
 from .multiproc import empty_multiproc_dir, forget_worker, worker_reported_ready
+from .processes import children, exit_description, raise_open_files_limit
 
 log = logging.getLogger("corechat.supervisor")
 
@@ -63,35 +63,6 @@ CLIENT_READ_SECONDS = 2.0
 # supervisor empties (once, at its start) instead of each master.
 SUPERVISOR_ENV = "CORECHAT_SUPERVISOR_PID"
 PR_SET_CHILD_SUBREAPER = 36
-
-
-def children(pid: int) -> set[int]:
-    """Return the pids of a process's children (of its main thread, which forks them)."""
-    try:
-        return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-    except OSError:
-        return set()
-
-
-def exit_description(status: int) -> str:
-    """Describe a wait status in words: "exit status 3" or "killed by SIGKILL"."""
-    code = os.waitstatus_to_exitcode(status)
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-
-
-def raise_open_files_limit(wanted: int) -> None:
-    """Raise the soft open-files limit to what the unit asks, and warn if the hard limit is lower.
-
-    systemd quietly caps LimitNOFILE= at the limit it has itself (a container's, for one).
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < min(wanted, hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
-    if hard < wanted:
-        log.warning("the open-files limit is %d, below the %d the unit asks for (LimitNOFILE=): systemd caps it "
-                    "at its own limit. Every stream, keep-alive connection and Redis connection takes one; raise "
-                    "the host's or container's limit (systemd-nspawn --rlimit=RLIMIT_NOFILE=%d) to serve that many",
-                    hard, wanted, wanted)
 
 
 @dataclass

@@ -21,7 +21,8 @@ import requests
 
 from harness import COUNTING, REPO, GunicornServer, scrape, value
 from service.process.listener import STORED_SOCKET_NAME
-from service.process.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL, children
+from service.process.processes import children
+from service.process.supervisor import DEFAULT_READY_TIMEOUT_SECONDS, RESTART_SIGNAL
 from tests.support import wait_until
 
 pytestmark = pytest.mark.serial

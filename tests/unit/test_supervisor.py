@@ -4,7 +4,7 @@ import resource
 
 import pytest
 
-from service.process.supervisor import raise_open_files_limit
+from service.process.processes import raise_open_files_limit
 
 pytestmark = pytest.mark.serial
 
