@@ -24,8 +24,8 @@ PING_SECONDS = 0.5
 # Long generations end at this cap (finish_reason "length"), which keeps the tests' duration bounded.
 GENERATION_CAP_SECONDS = 5
 DEFAULTS = Settings.model_construct()
-# nginx's send_timeout, which the shipped site leaves at its default: a client that reads nothing this long is closed.
-NGINX_SEND_TIMEOUT_SECONDS = 60
+# How long the probes go on once the never-readers fill the places.
+FULL_SECONDS = 15
 # A stream of many megabytes (twenty alternatives a token), more than nginx and the kernel buffer.
 NEVER_READ_STREAM = {"messages": COUNTING, "max_tokens": DEFAULTS.max_tokens_limit, "stream": True,
                      "temperature": 0, "logprobs": True, "top_logprobs": 20}
@@ -233,8 +233,8 @@ def default_stack(tmp_path_factory, gunicorn):
 def test_through_nginx_a_fresh_request_is_answered_at_once_while_60_clients_never_read(default_stack):
     """60 streams that are never read, from three addresses (nginx lets each at most 32 connections), fill
     both workers' places; a client at another address is answered or refused at once every second,
-    from before the places fill until nginx's send timeout (60 s) or the workers' send deadline has
-    freed them and a chat request is served again."""
+    from before the places fill until FULL_SECONDS after (test_worker.py follows the direct case on
+    until the send deadline frees them)."""
     upstream, nginx = default_stack
     connect = tls(nginx.port)
 
@@ -247,10 +247,10 @@ def test_through_nginx_a_fresh_request_is_answered_at_once_while_60_clients_neve
             (f"127.0.0.{10 + index % 3}", 0), timeout, buffer), NEVER_READ_STREAM) for index in range(NEVER_READING)]
         try:
             full = wait_until(lambda: 503 in chat_statuses(), 60)
-            freed = wait_until(lambda: chat_statuses()[-1] == 200 and 503 in chat_statuses(),
-                               NGINX_SEND_TIMEOUT_SECONDS + DEFAULTS.send_timeout_seconds + 60)
+            time.sleep(FULL_SECONDS)
         finally:
             for sock in clients:
                 sock.close()
-    assert full and freed, (prober.answers, upstream.log()[-3000:])
+    assert full, (prober.answers, upstream.log()[-3000:])
     assert not prober.late_or_unanswered({"chat": {200, 503}, "quick": {200}}), prober.answers
+    assert len(prober.answers) >= FULL_SECONDS
