@@ -1,8 +1,8 @@
 """ik_llama.cpp (the CPU-tuned llama.cpp fork) as the benchmark's peer: built from a clone, fed the
 same model folder as llama.cpp.
 
-    python -m bench.peer build --peer ik_llama.cpp --source CLONE    # a work tree or a git dir (~8 min, cached)
-    python -m bench.peer convert MODEL_DIR --peer ik_llama.cpp      # q8_0 and q4_0 with ik's llama-quantize
+    python -m bench.peers build --peer ik_llama.cpp --source CLONE    # a work tree or a git dir (~8 min, cached)
+    python -m bench.peers convert MODEL_DIR --peer ik_llama.cpp      # q8_0 and q4_0 with ik's llama-quantize
 
 The build is of the clone's HEAD commit, unpacked with `git archive` (uncommitted changes are not
 built), with one patch, PATCH, and is cached under ~/.cache/corechat/peer/ by the commit, the patch
@@ -101,7 +101,7 @@ def latest_build(root: Path = PEER_DIR) -> Toolchain:
              for folder in root.glob(f"build-{NAME}-*-{patch_key()}-{key}")]
     built = [toolchain for toolchain in built if toolchain.built]
     if not built:
-        raise RuntimeError(f"no {NAME} build on this CPU: python -m bench.peer build --peer {NAME} --source CLONE "
+        raise RuntimeError(f"no {NAME} build on this CPU: python -m bench.peers build --peer {NAME} --source CLONE "
                            "(a clone of https://github.com/ikawrakow/ik_llama.cpp)")
     return max(built, key=lambda toolchain: toolchain.server.stat().st_mtime)
 

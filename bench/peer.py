@@ -1,10 +1,11 @@
-"""The benchmark's peer: llama.cpp's llama-server, or ik_llama.cpp's (bench/ik_peer.py), built from
-source and fed the same model folder.
+"""The benchmark's peer llama.cpp: its llama-server and llama-quantize built from source, the model
+folder converted to GGUF, and the server run; ik_llama.cpp (bench/ik_peer.py) builds on these helpers,
+and bench/peers.py prepares either.
 
-    python -m bench.peer build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
-    python -m bench.peer convert MODEL_DIR      # MODEL_DIR as bf16, q8_0 and q4_0 GGUF files (cached)
-    python -m bench.peer build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~8 min, cached)
-    python -m bench.peer convert MODEL_DIR --peer ik_llama.cpp      # llama.cpp's bf16, quantized by the fork
+    python -m bench.peers build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
+    python -m bench.peers convert MODEL_DIR      # MODEL_DIR as bf16, q8_0 and q4_0 GGUF files (cached)
+    python -m bench.peers build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~8 min, cached)
+    python -m bench.peers convert MODEL_DIR --peer ik_llama.cpp      # llama.cpp's bf16, quantized by the fork
 
 `bench/run.py --peer` calls both for llama.cpp, then starts llama-server beside corechat;
 `bench/versus.py --peer ik_llama.cpp` runs the fork's latest build instead. Nothing of either is part of
@@ -13,10 +14,8 @@ llama.cpp), the fork's from a clone of https://github.com/ikawrakow/ik_llama.cpp
 GGUF files live under ~/.cache/corechat/peer/.
 """
 
-import argparse
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -37,8 +36,6 @@ PEER_DIR = Path.home() / ".cache" / "corechat" / "peer"
 BUILD_TARGETS = ("llama-server", "llama-quantize")
 # What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight.
 QUANTIZATIONS = ("q8_0", "q4_0")
-# The servers the benchmark compares corechat with: llama.cpp, and the fork tuned for CPUs (bench/ik_peer.py).
-PEERS = ("llama.cpp", "ik_llama.cpp")
 # Only what the two targets need: no tests, examples, web UI download, HTTPS or shared libraries.
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -227,36 +224,6 @@ def convert(toolchain: Toolchain, model_dir: Path, version: str = LLAMA_CPP_PYTH
     return files
 
 
-@dataclass(frozen=True)
-class Peer:
-    """A peer ready to serve: its name in the tables, what was built, its build and its GGUF files by quantization."""
-
-    name: str
-    version: str
-    toolchain: Toolchain
-    files: dict[str, Path]
-
-
-def prepare(name: str = "llama.cpp", model_dir: Path | None = None, *, isa: str = "native",
-            source: Path | None = None) -> Peer:
-    """Build the named peer (cached) and, given a model folder, its GGUF files of it (cached).
-
-    ik_llama.cpp builds from `source`, a clone, or else is its latest build on this CPU; its files
-    are quantized from llama.cpp's bf16 conversion, so llama.cpp is built too.
-    """
-    if name == "ik_llama.cpp":
-        from bench import ik_peer  # it builds on this module's helpers
-
-        if isa != "native":
-            raise ValueError("ik_llama.cpp is built for this CPU's own instruction sets only")
-        toolchain = ik_peer.build(source)
-        files = ik_peer.quantize(toolchain, convert(build(), model_dir)["bf16"]) if model_dir else {}
-        return Peer(name, ik_peer.version_of(toolchain), toolchain, files)
-    toolchain = build(isa=isa)
-    return Peer(name, f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}", toolchain,
-                convert(toolchain, model_dir) if model_dir else {})
-
-
 def server_command(server: Path, model: Path, *, port: int, threads: int, slots: int, context_per_slot: int,
                    options: tuple[str, ...] = SERVER_OPTIONS) -> list[str]:
     """Return llama-server's command line: corechat's threads and parallel sequences, each with corechat's context."""
@@ -325,30 +292,3 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def main() -> None:
-    """Build a peer's tools, or convert a model folder with them."""
-    parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    building = commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
-    building.add_argument("--isa", choices=sorted(ISA_OPTIONS), default="native",
-                          help="avx2: at most AVX2, as on an AVX2-only CPU (llama.cpp only)")
-    building.add_argument("--source", type=Path,
-                          help="ik_llama.cpp: a clone (work tree or git dir) whose HEAD to build")
-    converting = commands.add_parser("convert", help="convert a model folder to GGUF (cached)")
-    converting.add_argument("model_dir", type=Path)
-    for command in (building, converting):
-        command.add_argument("--peer", choices=PEERS, default=PEERS[0], help="which server (default llama.cpp)")
-    args = parser.parse_args()
-    peer = prepare(args.peer, getattr(args, "model_dir", None), isa=getattr(args, "isa", "native"),
-                   source=getattr(args, "source", None))
-    if args.command == "build":
-        print(json.dumps({"version": peer.version, "server": str(peer.toolchain.server),
-                          "quantize": str(peer.toolchain.quantize)}))
-    else:
-        print(json.dumps({name: str(path) for name, path in peer.files.items()}))
-
-
-if __name__ == "__main__":
-    main()

@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from bench import CACHE_DIR, progress, save_results, start_corechat  # noqa: E402
 from bench.conversations import SENTENCE, Sizes, multi_turn, short_behind_long  # noqa: E402
-from bench.peer import PEERS, LlamaServer, Toolchain, prepare, shown_command  # noqa: E402
+from bench.peer import LlamaServer, Toolchain, shown_command  # noqa: E402
+from bench.peers import PEERS, prepare  # noqa: E402
 from bench.probes import run_probe  # noqa: E402
 from bench.weights import weight_bytes_per_token  # noqa: E402
 from harness import concurrent_streams, free_port, memory_of, processes_of, stream_chat  # noqa: E402

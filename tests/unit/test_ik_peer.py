@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench import ik_peer
-from bench.peer import Toolchain, prepare, server_command, shown_command
+from bench.peer import Toolchain, server_command, shown_command
+from bench.peers import prepare
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -66,7 +67,7 @@ def test_ik_build_is_keyed_by_commit_patch_and_cpu(tmp_path):
 
 def test_without_a_clone_the_latest_ik_build_on_this_cpu_serves(tmp_path):
     """No build says how to make one; of two finished builds the newer is taken, an unfinished one never."""
-    with pytest.raises(RuntimeError, match="python -m bench.peer build --peer ik_llama.cpp --source CLONE"):
+    with pytest.raises(RuntimeError, match="python -m bench.peers build --peer ik_llama.cpp --source CLONE"):
         ik_peer.latest_build(tmp_path)
     older, newer, unfinished = (ik_peer.toolchain_for(commit * 40, tmp_path) for commit in "abc")
     for toolchain in (older, newer):
