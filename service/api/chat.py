@@ -28,7 +28,8 @@ from ..engine import (
 )
 from ..errors import ContextLengthExceeded, InternalError, InvalidRequest
 from ..settings import Settings
-from .chat_request import CalledFunction, ChatCompletionRequest, SamplingFields
+from .chat_parts import CalledFunction
+from .chat_request import ChatCompletionRequest, SamplingFields
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name

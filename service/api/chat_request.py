@@ -3,10 +3,22 @@
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, Field, StringConstraints, ValidationError, field_validator
 
 from ..errors import InvalidRequest
 from . import nesting
+from .chat_parts import (
+    ChatMessage,
+    FunctionChoice,
+    FunctionDefinition,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    StreamOptions,
+    StrictModel,
+    TextFormat,
+    Tool,
+)
 
 MAX_STOP_STRINGS = 4
 # The most choices (n) one request may ask for; each is a running sequence of its own.
@@ -19,150 +31,6 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_CACHE_SALT_CHARS = 256
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 INT64 = 2**63 - 1
-# OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class StrictModel(BaseModel):
-    """Strict types (no "1" for 1, no NaN), unknown fields ignored as OpenAI's clients expect."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class TextPart(StrictModel):
-    """One text part of a message given as a list of parts."""
-
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(StrictModel):
-    """The function an assistant message called, with its arguments as a JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(StrictModel):
-    """One tool call of an earlier assistant message."""
-
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class ChatMessage(StrictModel):
-    """One message of the conversation."""
-
-    # `function` is the legacy role of a function's result, answering an assistant's `function_call`.
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    # null only on an assistant message that carries tool_calls (or the legacy function_call).
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    function_call: CalledFunction | None = None
-
-    @property
-    def text(self) -> str:
-        """Return the content as one string."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-    def for_template(self) -> dict:
-        """Return the message as the chat template expects it (tool arguments as objects, as templates print them;
-        `name` kept for the templates that render it, as transformers and vLLM pass it)."""
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.text}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": nesting.loads(call.function.arguments)}}
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-FunctionName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
-
-
-class FunctionDefinition(StrictModel):
-    """A function the model may call; `parameters` is a JSON schema of its arguments."""
-
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @property
-    def arguments_schema(self) -> dict:
-        """Return the schema the arguments follow (any object when none was given)."""
-        return self.parameters if self.parameters is not None else {"type": "object"}
-
-
-class Tool(StrictModel):
-    """A tool the model may call: only functions exist."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionChoice(StrictModel):
-    """The function a named tool_choice forces."""
-
-    name: FunctionName
-
-
-class NamedToolChoice(StrictModel):
-    """A tool_choice that forces one function."""
-
-    type: Literal["function"]
-    function: FunctionChoice
-
-
-class TextFormat(StrictModel):
-    """Free text, the default."""
-
-    type: Literal["text"]
-
-
-class JsonObjectFormat(StrictModel):
-    """Any JSON object."""
-
-    type: Literal["json_object"]
-
-
-class JsonSchemaSpec(StrictModel):
-    """A named JSON schema the reply must follow."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: FunctionName
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class JsonSchemaFormat(StrictModel):
-    """JSON following a schema."""
-
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-class StreamOptions(StrictModel):
-    """Options of a streamed reply."""
-
-    include_usage: bool = False
-
-
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 

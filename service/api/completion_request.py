@@ -6,7 +6,8 @@ from typing import Annotated
 from pydantic import Field
 
 from ..errors import InvalidRequest
-from .chat_request import INT64, MAX_CHOICES, SamplingFields, StreamOptions, parse_body
+from .chat_parts import StreamOptions
+from .chat_request import INT64, MAX_CHOICES, SamplingFields, parse_body
 
 # OpenAI's bound of the legacy `logprobs`: the most likely alternatives reported at each position.
 MAX_LEGACY_LOGPROBS = 5

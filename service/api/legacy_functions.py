@@ -8,7 +8,8 @@ the same way: an assistant's `function_call` becomes its one tool call, and a `f
 the `tool` message answering it.
 """
 
-from .chat_request import ChatCompletionRequest, ChatMessage, FunctionChoice, NamedToolChoice, Tool, ToolCall
+from .chat_parts import ChatMessage, FunctionChoice, NamedToolChoice, Tool, ToolCall
+from .chat_request import ChatCompletionRequest
 
 # The id an earlier turn's legacy call gets: the legacy form has none, and a template that prints ids
 # then sees the same one on the call and on its result.

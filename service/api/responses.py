@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ErrorResponse
-from .chat_request import MAX_CHOICES, MAX_TOP_LOGPROBS, CalledFunction, ToolCall
+from .chat_parts import CalledFunction, ToolCall
+from .chat_request import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 CompletionId = Annotated[str, Field(pattern="^chatcmpl-")]

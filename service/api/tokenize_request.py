@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .chat_request import ChatMessage, StrictModel
+from .chat_parts import ChatMessage, StrictModel
 
 TokenId = Annotated[int, Field(ge=0)]
 

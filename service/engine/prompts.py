@@ -15,9 +15,10 @@ import torch
 from .events import Failed, PromptLogprobs
 from .facts import EngineFacts
 from .grammar import mask_logits
+from .logprobs import prompt_token_logprobs, token_logprobs
 from .prefixes import PrefixStore
 from .runners import SequenceModel
-from .sampling import biased, prompt_token_logprobs, sample_tokens, token_logprobs
+from .sampling import biased, sample_tokens
 from .sequences import Delivery, Sequence
 from .text import TokenSpeller
 

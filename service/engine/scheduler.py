@@ -17,11 +17,12 @@ from .cores import SharedCores
 from .events import Failed, Finished, Generation, Started
 from .facts import EngineFacts
 from .grammar import mask_logits
+from .logprobs import token_logprobs
 from .memory import most_tokens, pages_needed, return_freed_memory
 from .prefixes import PrefixStore
 from .prompts import PROMPT_LOGPROBS_CHUNK_TOKENS, PromptPass, chunk_tokens, prompt_shares
 from .runners import SequenceModel
-from .sampling import Sampler, biased, sample_tokens, token_logprobs
+from .sampling import Sampler, biased, sample_tokens
 from .sequences import Delivery, Sequence, places
 from .text import TextAssembler, TokenSpeller
 

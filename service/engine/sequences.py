@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from .events import Failed, Finished, Generation, TextDelta
 from .facts import EngineFacts
-from .sampling import Sampler, TokenLogprobs
+from .logprobs import TokenLogprobs
+from .sampling import Sampler
 from .text import TextAssembler, TokenLogprob, TokenSpeller
 
 log = logging.getLogger(__name__)

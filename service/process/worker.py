@@ -20,7 +20,8 @@ SEND_TIMEOUT_SECONDS is cut, which cancels its generation and frees its place.
 
 A worker starts accepting connections only once its engine is ready, so no request waits on a model
 load; while it has nothing to do and another worker gathers streams, it leaves new connections to
-that one (gathering.py).
+that one (gathering.py). How a connection ends is closing.py's; what runs in a request thread,
+request_threads.py's.
 """
 
 import errno
@@ -34,32 +35,20 @@ from collections.abc import Callable
 from functools import partial
 
 from gunicorn import http
-from gunicorn.http import errors as gunicorn_errors
-from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker
 
-from ..errors import RETRY_AFTER_SECONDS
-from ..observability.metrics import count_refused_by_worker, send_timeouts_total
-from ..observability.request_record import CacheStatus
 from ..settings import get_settings
 from .arrival import (
-    GUNICORN_ERRORS,
-    MALFORMED,
     ArrivingRequest,
     RefusedRequest,
     WholeRequest,
-    http_error,
 )
+from .closing import EXPIRY_CHECK_SECONDS, READ_BYTES, Connection, ConnectionEnds
 from .gathering import DEFER_SECONDS, GATHER_REFRESH_SECONDS, Gathering
-from .refusal import access_entry, render
+from .request_threads import RequestThreads
 
-READ_BYTES = 64 * 1024
 ACCEPT_BATCH = 16
 BURST_ROUNDS = 8
-# After its last response a closing connection is drained this long (RFC 9112 section 9.6), so
-# unread request bytes do not make the kernel reset it before the client has read the response.
-LINGER_SECONDS = 2.0
-LINGER_BYTES = 64 * 1024
-EXPIRY_CHECK_SECONDS = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Gunicorn settings that change how a request is read or routed, which this worker's own reading
 # would silently contradict: (setting, the value it must keep, why).
@@ -70,18 +59,7 @@ UNSUPPORTED_SETTINGS = (
 )
 
 
-class Connection(TConn):
-    """A client connection: whether its request holds a place, and the request it carries."""
-
-    def __init__(self, cfg, sock, client, server):
-        super().__init__(cfg, sock, client, server)
-        self.holds_place = False
-        self.leftover = b""
-        self.arrived: ArrivingRequest | None = None
-        self.send_timed_out = False
-
-
-class CorechatWorker(ThreadWorker):
+class CorechatWorker(RequestThreads, ConnectionEnds, ThreadWorker):
     """gthread, with whole requests read in the event loop and accepting deferred until the engine is ready."""
 
     @classmethod
@@ -392,180 +370,3 @@ class CorechatWorker(ThreadWorker):
                 key.data(key.fileobj)
         while self.dispatched:
             self.enqueue_req(self.dispatched.popleft())
-
-    # In a request thread ----------------------------------------------------------------------
-
-    def handle(self, conn):
-        """Serve one request in a thread, remembering its connection for handle_error."""
-        self.serving.conn = conn
-        try:
-            return super().handle(conn)
-        finally:
-            self.serving.conn = None
-
-    def handle_request(self, req, conn):
-        """Run the app, its response sent within the send deadline.
-
-        The loop already answered any Expect: 100-continue before the body came. A response whose
-        client has read none of it for SEND_TIMEOUT_SECONDS is cut: the kernel aborts the connection
-        (TCP_USER_TIMEOUT, set at accept), the next send fails, and Gunicorn closing the app's
-        iterator cancels the generation.
-        """
-        req._expected_100_continue = False
-        # Gunicorn's max_keepalived: gthread counts its idle connections, this worker its waiting ones.
-        if len(self.arriving) >= self.max_keepalived:
-            req.force_close()
-        try:
-            return super().handle_request(req, conn)
-        except OSError as error:
-            if error.errno != errno.ETIMEDOUT:
-                raise
-            conn.send_timed_out = True
-            self.log.info(
-                "closed the connection of %s: it read nothing of its response for %g seconds (SEND_TIMEOUT_SECONDS)",
-                conn.client, self.send_seconds,
-            )
-            send_timeouts_total.inc()
-            return False
-
-    def _keepalive_after(self, conn, keepalive):
-        """Keep the connection when the response allows: the loop has read the request to its end, so
-        a body the app left unread holds no bytes of the socket (gthread would drain it)."""
-        return keepalive
-
-    def handle_error(self, req, client, addr, exc):
-        """Answer an error Gunicorn raised in a request thread in OpenAI's shape, not as an HTML page,
-        and log it like any other response."""
-        if isinstance(exc, gunicorn_errors.ParseException):
-            status, code = GUNICORN_ERRORS.get(type(exc), MALFORMED)
-            # The exception's text may quote a header value (an API key): only its kind is told.
-            self.log.warning("refused a request from %s: %s", addr, type(exc).__name__)
-            response = http_error(status, f"invalid HTTP request: {type(exc).__name__}", code)
-        else:
-            self.log.exception("error handling a request")
-            status = 500
-            response = http_error(status, "internal server error", "internal_error")
-        try:
-            client.sendall(response)
-        except OSError:
-            self.log.debug("could not send the error response")
-        conn = getattr(self.serving, "conn", None)
-        if conn is not None and conn.arrived is not None:
-            self.log_answer(conn.arrived, status, len(response))
-
-    def overloaded(self, reason: str = "") -> RefusedRequest:
-        """Build the 503 of a request this worker has no room for."""
-        return RefusedRequest(
-            503,
-            reason or f"all {self.places} request places of this worker are taken (MAX_RUNNING + MAX_QUEUE); "
-                      "retry shortly",
-            "overloaded",
-            # Every chat response says whether the cache served it: this one never reached it.
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "X-Cache": CacheStatus.BYPASS},
-        )
-
-    def finish_request(self, conn, fs):
-        """After a response (in the loop): give back its place, then wait for the next request on
-        the connection, or close it."""
-        if conn.holds_place:
-            conn.holds_place = False
-            self.free_places += 1
-        try:
-            keepalive = not fs.cancelled() and fs.result()
-        except Exception:
-            keepalive = False
-        if conn.send_timed_out:
-            # The kernel has aborted it: nothing left to linger for.
-            self.close(conn)
-        elif keepalive:
-            idle_seconds = self.cfg.keepalive if self.alive else min(self.cfg.keepalive, STOP_KEEPALIVE_LINGER)
-            self.await_request(conn, time.monotonic() + idle_seconds, idle=True, leftover=conn.leftover)
-        else:
-            self.linger(conn)
-
-    # Closing ---------------------------------------------------------------------------------
-
-    def refuse(self, arriving: ArrivingRequest, refused: RefusedRequest) -> None:
-        """Answer a request from the loop, log and count it like any response, and close the connection."""
-        conn = arriving.conn
-        self.stop_waiting(conn)
-        response = render(refused, arriving, self.cors_origins)
-        self.send_now(conn, response)
-        line = arriving.request_line()
-        if line is not None and line[0] == b"POST":
-            count_refused_by_worker(refused.code)
-        self.log_answer(arriving, refused.status, len(response))
-        self.linger(conn)
-
-    def log_answer(self, arriving: ArrivingRequest, status: int, sent: int) -> None:
-        """Write an answer the app never saw to the access log (and statsd, when Gunicorn sends to it)."""
-        started_at = arriving.started_at or time.monotonic()
-        self.log.access(*access_entry(arriving, status, sent, time.monotonic() - started_at))
-
-    def send_now(self, conn: Connection, data: bytes) -> None:
-        """Send a short answer without blocking the loop (it fits an empty socket buffer)."""
-        try:
-            conn.sock.send(data)
-        except OSError:
-            self.log.debug("could not send to %s", conn.client)
-
-    def linger(self, conn: Connection) -> None:
-        """Close the connection once the client has read what was sent: shut our side, then drain."""
-        try:
-            conn.sock.setblocking(False)
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self.close(conn)
-            return
-        self.lingering[conn] = (time.monotonic() + LINGER_SECONDS, 0)
-        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_lingering_bytes, conn))
-
-    def on_lingering_bytes(self, conn: Connection, _sock) -> None:
-        """Discard what a closing connection still sends; close it at its end of file or past the cap."""
-        try:
-            data = conn.sock.recv(READ_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        deadline, drained = self.lingering[conn]
-        if not data or drained + len(data) > LINGER_BYTES:
-            self.close(conn)
-        else:
-            self.lingering[conn] = (deadline, drained + len(data))
-
-    def expire_waiting(self) -> None:
-        """Answer 408 to requests that took too long to arrive; close idle and lingering connections past their time."""
-        now = time.monotonic()
-        if now < self.next_expiry_check:
-            return
-        self.next_expiry_check = now + EXPIRY_CHECK_SECONDS
-        for conn, arriving in list(self.arriving.items()):
-            if arriving.deadline > now:
-                continue
-            if arriving.idle:
-                self.close(conn)
-            else:
-                message = f"the request did not arrive within {self.arrival_seconds:g} seconds"
-                self.log.info("refused a request from %s: %s", conn.client, message)
-                self.refuse(arriving, RefusedRequest(408, message, "request_timeout"))
-        for conn, (deadline, _drained) in list(self.lingering.items()):
-            if deadline <= now:
-                self.close(conn)
-
-    def stop_waiting(self, conn: Connection) -> None:
-        """Take a connection out of the loop's watch."""
-        arriving = self.arriving.pop(conn, None)
-        if arriving is not None:
-            self.arriving_bytes -= len(arriving.body)
-        self.lingering.pop(conn, None)
-        try:
-            self.poller.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-
-    def close(self, conn: Connection) -> None:
-        """Close a connection the loop watches or that a request thread is done with."""
-        self.stop_waiting(conn)
-        self.nr_conns -= 1
-        conn.close()

@@ -1,6 +1,6 @@
 """A message's `name` reaches the chat template only when given, as transformers and vLLM pass it."""
 
-from service.api.chat_request import ChatMessage
+from service.api.chat_parts import ChatMessage
 
 
 def said_by(name: str | None, content: str = "Which colour is the sea?") -> list[dict]:

@@ -5,6 +5,7 @@ import collections
 import pytest
 import torch
 
+from service.engine.logprobs import prompt_token_logprobs, token_logprobs
 from service.engine.sampling import (
     CANDIDATES,
     GREEDY_BELOW_TEMPERATURE,
@@ -18,9 +19,7 @@ from service.engine.sampling import (
     choice_seed,
     kept_floors,
     penalized,
-    prompt_token_logprobs,
     sample_tokens,
-    token_logprobs,
 )
 
 VOCAB = 5000
