@@ -134,3 +134,19 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    """Return a maker of real redis-servers that live until the module's tests are done:
+    `module_redis()`, or `module_redis(password=...)`."""
+    started = []
+
+    def start(**options) -> RedisServer:
+        server = RedisServer(tmp_path_factory.mktemp("redis"), **options).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

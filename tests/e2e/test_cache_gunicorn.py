@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 from harness import (
     DONE,
     GunicornServer,
-    RedisServer,
     StreamingClient,
     finished_by_worker,
     ready_facts,
@@ -39,11 +38,9 @@ BODY = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max
 
 
 @pytest.fixture(scope="module")
-def shared_redis(tmp_path_factory):
+def shared_redis(module_redis):
     """Run one redis-server for the module's servers."""
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+    return module_redis()
 
 
 def start_server(gunicorn, redis, workers: int) -> GunicornServer:

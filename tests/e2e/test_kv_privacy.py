@@ -12,7 +12,6 @@ import pytest
 import redis
 import requests
 
-from harness import RedisServer
 from tests.support import wait_until
 
 KEYS = ("sk-corechat-carol-0123456789", "sk-corechat-dave-9876543210")
@@ -21,11 +20,9 @@ GREEDY = {"max_tokens": 1, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def kv_redis(tmp_path_factory):
+def kv_redis(module_redis):
     """Run a throwaway Redis for shared KV state."""
-    server = RedisServer(tmp_path_factory.mktemp("kv-privacy-redis")).start()
-    yield server
-    server.stop()
+    return module_redis()
 
 
 @pytest.fixture(scope="module")

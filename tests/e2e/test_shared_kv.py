@@ -5,7 +5,7 @@ import pytest
 import redis
 import requests
 
-from harness import RedisServer, ready_facts
+from harness import ready_facts
 from tests.support import wait_until
 
 NO_CACHE = {"Cache-Control": "no-cache"}
@@ -28,19 +28,15 @@ def the_token_id(server) -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
+def redis_server(module_redis):
     """Run a throwaway Redis for the shared KV state."""
-    server = RedisServer(tmp_path_factory.mktemp("shared-kv-redis")).start()
-    yield server
-    server.stop()
+    return module_redis()
 
 
 @pytest.fixture(scope="module")
-def replies_redis(tmp_path_factory):
+def replies_redis(module_redis):
     """Run a throwaway Redis for the cached replies."""
-    server = RedisServer(tmp_path_factory.mktemp("replies-redis")).start()
-    yield server
-    server.stop()
+    return module_redis()
 
 
 @pytest.fixture(scope="module")
