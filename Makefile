@@ -17,9 +17,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # requirements-dev.txt includes requirements-devmodel.txt, which `make serve` needs for the demo model.
-$(VENV)/.installed: $(PY) requirements.txt requirements-devmodel.txt requirements-dev.txt
+$(VENV)/.installed: $(PY) requirements.txt requirements-devmodel.txt requirements-dev.txt requirements-smollm2.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-smollm2.txt
 	touch $@
 
 # corechat's kernels, compiled for this CPU into the venv (a venv moved to another CPU builds again
@@ -50,9 +51,13 @@ install-packages:
 demo-model: setup
 	@if [ -z "$(MODEL)" ]; then $(PY) -m devtools.devmodel $(DEMO_MODEL_DIR) --preset $(DEMO_PRESET) >/dev/null; fi
 
-# Serve on the embedded default: the demo model (random weights!) unless MODEL is set.
+# Serve on the embedded default: the demo model (random weights!) unless MODEL is set; MODEL=smollm2
+# serves the real SmolLM2-135M-Instruct, from the GGUF file of a PyPI wheel (devtools/smollm2.py).
 serve: demo-model
-	MODEL="$${MODEL:-$(DEMO_MODEL_DIR)}" $(VENV)/bin/gunicorn -c gunicorn.conf.py
+	@model="$${MODEL:-$(DEMO_MODEL_DIR)}"; \
+	if [ "$$model" = smollm2 ]; then model=$$($(PY) -m devtools.smollm2) || exit 1; fi; \
+	echo "serving $$model"; \
+	MODEL="$$model" exec $(VENV)/bin/gunicorn -c gunicorn.conf.py
 
 # ruff, configured in pyproject.toml: pyflakes, pycodestyle and import order, lines up to 120.
 lint: $(VENV)/.installed

@@ -41,7 +41,7 @@ from service.settings import get_settings  # noqa: E402
 settings = get_settings()
 
 if settings.preload_libraries:
-    lifecycle.import_worker_libraries(settings.model)
+    lifecycle.import_worker_libraries(settings.model, settings.converted_weights_dir)
 
 wsgi_app = "wsgi:app"
 bind = settings.bind

@@ -17,11 +17,21 @@ from tests.support import TEST_API_KEY, openai_client, started_engine
 
 
 def pytest_configure(config):
-    """Build the tiny model once in the process that starts the test workers, which would race to build it."""
+    """Build the tiny model and convert the real one once, in the process that starts the test workers,
+    which would race to do it."""
     if not hasattr(config, "workerinput"):
         from devtools.devmodel import build_dev_model
 
         build_dev_model(TINY_MODEL_DIR, preset="tiny")
+        smollm2_folder()
+
+
+def smollm2_folder() -> Path:
+    """Return the Hugging Face folder of the real SmolLM2 GGUF file, converted (once) where a worker would."""
+    from devtools.smollm2 import gguf_path
+    from service.engine.gguf import converted_folder
+
+    return converted_folder(gguf_path(), Path(Settings().converted_weights_dir))
 
 
 # The longest test files, started first so the two test processes end together (`make test`).
@@ -42,6 +52,21 @@ def tiny_model_dir() -> Path:
     from devtools.devmodel import build_dev_model
 
     return build_dev_model(TINY_MODEL_DIR, preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """Return the Hugging Face folder MODEL=<SmolLM2's GGUF file> serves (float32 weights)."""
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Return the real SmolLM2-135M-Instruct's GGUF file (devtools/smollm2.py), already converted for MODEL."""
+    from devtools.smollm2 import gguf_path
+
+    smollm2_folder()
+    return gguf_path()
 
 
 @pytest.fixture(scope="session")

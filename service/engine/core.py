@@ -100,7 +100,7 @@ class Engine:
         """
         self._on_ready, self._on_failure = on_ready, on_failure
         self.cores = cores or no_sharing(torch.get_num_threads())
-        self.model_dir = resolve_model_dir(self.settings.model)
+        self.model_dir = resolve_model_dir(self.settings.model, Path(self.settings.converted_weights_dir))
         inherited = inherited_tokenizer(self.model_dir)
         self.tokenizer = inherited if inherited is not None else load_tokenizer(self.model_dir)
         self.facts.tokenizer_inherited = inherited is not None

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from .gguf import converted_folder, is_gguf_file
+
 log = logging.getLogger(__name__)
 
 # A weight file's SHA-256 is kept in a small file of this suffix, beside it (or in the hashes folder
@@ -29,9 +31,14 @@ class ModelNotFound(RuntimeError):
     """The model folder or hub id cannot be resolved to files on this machine."""
 
 
-def resolve_model_dir(model: str) -> Path:
-    """Return a local folder for a model given as a folder path or a hub id."""
+def resolve_model_dir(model: str, converted_dir: Path) -> Path:
+    """Return a local folder for a model given as a folder path, a GGUF file (converted once into a
+    folder under converted_dir) or a hub id."""
     path = Path(model).expanduser()
+    if is_gguf_file(model):
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {model} does not exist")
+        return converted_folder(path.resolve(), converted_dir)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} has no config.json; is it a Hugging Face model folder?")

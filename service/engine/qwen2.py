@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from .quantized import QuantizedLinear
 
-ARCHITECTURES = ("Qwen2ForCausalLM",)
+# Llama's decoder is Qwen2's without the query, key and value biases (SmolLM2, Llama 3.2, TinyLlama).
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 # Head sizes the attention kernel takes.
 HEAD_DIMS = (16, 32, 64, 128, 256)
 

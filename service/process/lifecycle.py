@@ -30,9 +30,9 @@ MODEL_LOAD_ATTEMPTS = 3
 WORKER_BOOT_ERROR = 3
 
 
-def import_worker_libraries(model: str) -> None:
+def import_worker_libraries(model: str, converted_dir: str) -> None:
     """Import torch, transformers and the app's modules in the master, and load the model's
-    tokenizer, for the workers to share.
+    tokenizer, for the workers to share; a GGUF file is converted first, in a child process.
 
     No model, no tensor, no thread pool (gunicorn.conf.py keeps OpenBLAS from starting one; loading
     a tokenizer starts none, encoding would), so the master stays single-threaded and forks hold no
@@ -43,9 +43,14 @@ def import_worker_libraries(model: str) -> None:
     (which trim theirs when idle) drop their copies of those pages.
     """
     from .. import app  # noqa: F401 (the whole app, the engine's core with torch and transformers among it)
+    from ..engine.gguf import convert_in_child, folder_for, is_gguf_file
     from ..engine.loading import preload_tokenizer
     from ..engine.memory import return_freed_memory
 
+    if is_gguf_file(model) and Path(model).expanduser().is_file():
+        gguf_path = Path(model).expanduser().resolve()
+        convert_in_child(gguf_path, Path(converted_dir))
+        model = str(folder_for(gguf_path, Path(converted_dir)))
     preload_tokenizer(model)
     gc.collect()
     return_freed_memory()

@@ -14,19 +14,19 @@ from service.engine.loading import ModelNotFound, load_model, map_safetensors, r
 
 def test_missing_folder_names_the_fix(tmp_path):
     with pytest.raises(ModelNotFound, match="devtools.devmodel"):
-        resolve_model_dir(str(tmp_path / "nothing-here"))
+        resolve_model_dir(str(tmp_path / "nothing-here"), tmp_path)
 
 
 def test_folder_without_config_is_refused(tmp_path):
     with pytest.raises(ModelNotFound, match="config.json"):
-        resolve_model_dir(str(tmp_path))
+        resolve_model_dir(str(tmp_path), tmp_path)
 
 
 def test_hub_id_without_network_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(ModelNotFound, match="hf download"):
-        resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
+        resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct", tmp_path)
 
 
 def test_sharded_checkpoint_loads_to_the_same_model(tiny_model_dir, tmp_path):
