@@ -62,7 +62,7 @@ def test_float32_greedy_replies_are_transformers_generate_token_for_token(settin
 
 
 def test_bfloat16_lean_forward_gives_transformers_bits_on_llama(settings_for):
-    """A prompt in two chunks, then decode steps: the lean forward's logits, transformers' with the kernel's attention."""
+    """A prompt in two chunks, then decode steps: the lean forward's logits are transformers' with kernel attention."""
     with started_engine(settings_for("bfloat16")) as engine:
         model, runner = engine.model, engine._scheduler.runner
         assert engine.facts.forward == "lean"
