@@ -42,6 +42,6 @@ def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
-    # int4: half a byte per weight and a float16 scale per 32.
-    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1, "int4": 0.5625}[dtype]
+    # int8 and int4: a byte or half a byte per weight and a float16 scale per 32.
+    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1.0625, "int4": 0.5625}[dtype]
     return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes}

@@ -36,8 +36,8 @@ class Settings(BaseSettings):
         "the first alias, else the model's id."
     )
     dtype: str = Field(
-        "int8", description="Weight format: int8 (Linear weights as int8 with a scale per row) or int4 (groups "
-        "of 32 with a scale each), converted once into a file beside the model that workers share, the rest "
+        "int8", description="Weight format: int8 or int4 (Linear weights as 8- or 4-bit integers, a float16 "
+        "scale per group of 32), converted once into a file beside the model that workers share, the rest "
         "bfloat16; or bfloat16, or float32. int8 and int4 run corechat's own kernels, and their replies do "
         "not depend on what else a worker decodes (docs/performance.md)."
     )

@@ -106,7 +106,7 @@ def products() -> list[Product]:
         Product("torch `_int_mm` (int8 x int8, activations per row)", torch_int8, int_mm, rounds=1),
         Product("fbgemm `linear_dynamic` (int8, private packed copy)", fbgemm,
                 lambda x, w: torch.ops.quantized.linear_dynamic(x.float(), w[0], False)),
-        Product("corechat int8 (rows)", lambda weight: (*quantize_int8(weight), weight.shape[0]),
+        Product("corechat int8 (groups of 32)", lambda weight: (*quantize_int8(weight), weight.shape[0]),
                 lambda x, w: torch.ops.corechat.quantized_linear(x, w[0], w[1], None, INT8.code, w[2], False, best)),
         Product("corechat int4 (groups of 32)", lambda weight: (*quantize_int4(weight), weight.shape[0]),
                 lambda x, w: torch.ops.corechat.quantized_linear(x, w[0], w[1], None, INT4.code, w[2], False, best)),

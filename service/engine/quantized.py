@@ -4,7 +4,8 @@ Every Linear of the decoder layers and the output layer is stored quantized; the
 norms, biases) stays bfloat16. The converted file is memory-mapped like the model's own, so every
 worker reads the same page-cache pages, and it holds exactly the layout the kernels read: nothing
 is repacked per worker.
-  int8: int8 weights, one float32 scale per output row (8 bits per weight).
+  int8: groups of 32 weights of a row, one float16 scale each (symmetric, -127..127), as llama.cpp's
+        q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
         sharing a byte's nibbles (4.5 bits per weight).
 Weights are stored with an offset that makes them unsigned (+128, +8), in tiles of 16 rows whose
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
 # a file written by another version is never read as this one's.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -58,13 +59,13 @@ class WeightFormat:
     width_multiple: int
 
 
-INT8 = WeightFormat("int8", 0, "int8 weights with a float32 scale per row", GROUP)
+INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per group of 32", GROUP)
 INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP)
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
 ACTIVATIONS = "activations rounded to int8 per block of 32"
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
 LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
-          "int4_offset": INT4_OFFSET, "int8_rows": INT8.code, "int4_groups": INT4.code}
+          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code}
 
 
 class LayoutMismatch(RuntimeError):
@@ -134,15 +135,46 @@ def untile_int8(tiled: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 1, 2, 4).reshape(rows, inputs)
 
 
+def tile_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Lay out float16 scales [outputs, blocks] as kernels.h reads them: padded, [tiles, blocks, 16 rows]
+    (returned as [padded rows, blocks])."""
+    padded = pad_rows(scales)
+    rows, blocks = padded.shape
+    return padded.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, blocks).transpose(1, 2).contiguous().reshape(rows, blocks)
+
+
+def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
+    """Undo tile_scales (the padded rows kept), as float32."""
+    rows, blocks = tiled.shape
+    return tiled.reshape(rows // TILE_OUTPUTS, blocks, TILE_OUTPUTS).transpose(1, 2).reshape(rows, blocks).float()
+
+
+def check_width(fmt: WeightFormat, inputs: int) -> None:
+    """Raise ValueError unless a format can hold rows of `inputs` weights."""
+    if inputs % fmt.width_multiple:
+        raise ValueError(f"{fmt.name} needs input widths that are multiples of {fmt.width_multiple}, not {inputs}")
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix symmetrically per output row: weights -127..127 stored + 128 as bytes, and float32
-    scales, padded and laid out as the kernel reads them."""
-    weight = weight.float()
-    scales = weight.abs().amax(dim=1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    levels = torch.round(weight / safe[:, None]).clamp(-127, 127)
-    stored = pad_rows((levels + INT8_OFFSET).to(torch.uint8), fill=INT8_OFFSET)
-    return tile_int8(stored), pad_rows(scales.to(torch.float32))
+    """Quantize a matrix symmetrically per group of 32 inputs of a row, as llama.cpp's q8_0 does: weights
+    -127..127 stored + 128 as bytes, and a float16 scale per group (its largest magnitude / 127), padded
+    and laid out as the kernel reads them. The rounding uses the float16 scale that is stored.
+    """
+    outputs, inputs = weight.shape
+    check_width(INT8, inputs)
+    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
+    # A group whose largest magnitude is under 127 x 2^-14 gets a subnormal float16 scale, with fewer
+    # significant bits. Left as it is: the error that adds is at most 127 x 2^-25 per weight, below
+    # half the step of any group with a normal scale, so it only shows in a matrix whose weights are
+    # all that small, which trained models' are not; clamping the scale up to 2^-14 would coarsen
+    # those groups' steps instead.
+    scales = (groups.abs().amax(dim=2) / 127).to(torch.float16)
+    stored_scales = scales.float()
+    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
+    levels = torch.round(groups / safe[:, :, None]).clamp(-127, 127)
+    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    stored = pad_rows((levels + INT8_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT8_OFFSET)
+    return tile_int8(stored), tile_scales(scales)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +186,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the high ones; the scales lie [tiles, blocks, 16 rows].
     """
     outputs, inputs = weight.shape
-    if inputs % INT4.width_multiple:
-        raise ValueError(f"int4 needs input widths that are multiples of {INT4.width_multiple}, not {inputs}")
+    check_width(INT4, inputs)
     groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
     extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
     scales = (extreme / -8).to(torch.float16)
@@ -169,8 +200,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     parts = nibbles.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, 2, 4, GROUP_INPUTS)
     parts = parts.permute(0, 2, 3, 4, 1, 5)
     packed = parts[:, :, 0] | (parts[:, :, 1] << 4)
-    tiled_scales = pad_rows(scales).reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP).transpose(1, 2)
-    return packed.reshape(rows, inputs // 2).contiguous(), tiled_scales.contiguous().reshape(rows, inputs // GROUP)
+    return packed.reshape(rows, inputs // 2).contiguous(), tile_scales(scales)
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
@@ -178,13 +208,14 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
     rows = weight.shape[0]
     if fmt is INT8:
         levels = untile_int8(weight).float() - INT8_OFFSET
-        return (levels * scales[:, None])[:outputs]
-    inputs = weight.shape[1] * 2
-    packed = weight.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
-    halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
-    levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float() - INT4_OFFSET
-    group_scales = scales.reshape(rows // TILE_OUTPUTS, inputs // GROUP, TILE_OUTPUTS).transpose(1, 2).reshape(rows, -1)
-    return (levels.reshape(rows, -1, GROUP) * group_scales.float()[:, :, None]).reshape(rows, inputs)[:outputs]
+    else:
+        inputs = weight.shape[1] * 2
+        packed = weight.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
+        halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
+        levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float() - INT4_OFFSET
+    inputs = levels.shape[1]
+    restored = levels.reshape(rows, inputs // GROUP, GROUP) * untile_scales(scales)[:, :, None]
+    return restored.reshape(rows, inputs)[:outputs]
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}

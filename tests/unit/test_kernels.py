@@ -157,8 +157,8 @@ def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path
 
 
 def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator):
-    """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every row
-    or group), so that tiny activations give products that stay normal floats."""
+    """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every
+    group), so that tiny activations give products that stay normal floats."""
     low, high = (-127, 127) if fmt is INT8 else (-8, 7)
     weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).float()
     weight[:, ::32] = low
@@ -342,6 +342,29 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
     clamped = groups / scales[:, :, None] > 7.5
     bound = torch.where(clamped, step, step / 2) * (1 + 1e-3)
     assert ((restored_groups - groups).abs() <= bound).all()
+
+
+def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():
+    """Each group of 32 has its own scale: in rows where one group is 100x the others, every group comes
+    back within half its own step (its largest magnitude / 254, the float16 scale's rounding aside), where
+    one scale per row made the small groups' step 100x coarser; and on every path the product is the
+    rounded activations times those weights, up to float32 summing."""
+    generator = torch.Generator().manual_seed(12)
+    outputs, inputs = 37, 256
+    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+    weight[:, 96:128] *= 100
+    stored, scales = quantize_int8(weight)
+    restored = dequantize(INT8, stored, scales, outputs)
+    groups, restored_groups = weight.reshape(outputs, -1, 32), restored.reshape(outputs, -1, 32)
+    half_step = groups.abs().amax(dim=2, keepdim=True) / 254 * (1 + 2**-10)
+    assert ((restored_groups - groups).abs() <= half_step).all()
+    x = torch.randn(5, inputs, generator=generator)
+    want = expected_product(INT8, x, stored, scales, outputs)
+    bound = (x.abs().double() @ restored.abs().double().t()) * 3e-5
+    reference = product(INT8, x, stored, scales, outputs)
+    assert ((reference.double() - want).abs() <= bound).all()
+    for path in simd_paths():
+        assert same_bits(product(INT8, x, stored, scales, outputs, path=path), reference), path
 
 
 @pytest.mark.parametrize("isa", [kernels.AVX512_VNNI, kernels.AMX], ids=["avx512_vnni", "amx"])

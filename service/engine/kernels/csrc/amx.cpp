@@ -50,7 +50,7 @@ void signed_weights(const Weights& w, int64_t tile, int8_t* out) {
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* stored = tile_block(w, tile, b);
         int8_t* block = out + b * kSignedBlockBytes;
-        if constexpr (Format == kInt8Rows) {
+        if constexpr (Format == kInt8Groups) {
             const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
             for (int g = 0; g < kBlock / kGroupInputs; ++g)
                 _mm512_storeu_si512(block + g * kGroupBytes, _mm512_xor_si512(_mm512_loadu_si512(stored + g * kGroupBytes), flip));
@@ -73,16 +73,10 @@ inline void scale_block(const QuantizedRows& x, const Weights& w, int64_t tile, 
                         const int32_t* sums, __m512 acc[kAmxRows]) {
     const int64_t blocks = w.inputs / kBlock;
     const float* scales = x.scales + row * blocks + block;
-    if constexpr (Format == kInt8Rows) {
-        for (int r = 0; r < kAmxRows; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kTileOutputs)),
-                                     _mm512_set1_ps(scales[r * blocks]), acc[r]);
-    } else {
-        const __m512 group_scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales(w, tile, block))));
-        for (int r = 0; r < kAmxRows; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kTileOutputs)),
-                                     _mm512_mul_ps(group_scales, _mm512_set1_ps(scales[r * blocks])), acc[r]);
-    }
+    const __m512 group_scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales(w, tile, block))));
+    for (int r = 0; r < kAmxRows; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kTileOutputs)),
+                                 _mm512_mul_ps(group_scales, _mm512_set1_ps(scales[r * blocks])), acc[r]);
 }
 
 // GCC's tile intrinsics take register numbers as literals (they paste them into the instruction).
@@ -172,8 +166,8 @@ void amx_matmul(const QuantizedRows& x, const Weights& w, const float* bias, Out
 }  // namespace
 
 void matmul_amx(const QuantizedRows& x, const Weights& w, const float* bias, Output out, int64_t begin, int64_t end) {
-    if (w.format == kInt8Rows) {
-        amx_matmul<kInt8Rows>(x, w, bias, out, begin, end);
+    if (w.format == kInt8Groups) {
+        amx_matmul<kInt8Groups>(x, w, bias, out, begin, end);
     } else {
         amx_matmul<kInt4Groups>(x, w, bias, out, begin, end);
     }

@@ -8,10 +8,9 @@
 //     NaN (its values 0), which makes every output of its row NaN; a block whose s_x = largest
 //     magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
 //   - for each output, blocks in order, S = the exact integer sum over the block of weight times
-//     activation, then
-//       int8 rows:   acc = fma(float(S), s_x, acc), and at the end acc * the row's scale;
-//       int4 groups: acc = fma(float(S), s_w * s_x, acc) with the group's scale s_w;
-//     then plus the bias, rounded to the output type.
+//     activation, then acc = fma(float(S), s_w * s_x, acc) with the weights' scale s_w of that
+//     row and block (float16, widened), the same for int8 and int4; then plus the bias, rounded to
+//     the output type.
 // The weights are stored with an offset that makes them unsigned (int8 + 128, int4 + 8), the
 // operand vpdpbusd wants unsigned; S is the offset sum minus the offset times the block's sum of
 // activations, which is exact and the same for every output (kernels read it as the starting value
@@ -31,9 +30,9 @@
 
 namespace corechat {
 
-constexpr int64_t kBlock = 32;  // activation block and int4 weight group, in elements
+constexpr int64_t kBlock = 32;  // activation block and weight group, in elements
 
-enum WeightFormat : int { kInt8Rows = 0, kInt4Groups = 1 };
+enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1 };
 
 // Activations rounded to int8 per block: the values, one scale per block and the block's sum.
 struct QuantizedRows {
@@ -48,12 +47,12 @@ struct QuantizedRows {
 // kTileOutputs rows (the last padded with zero weights), each tile's blocks in order, each block
 // kTileOutputs x kBlock weights laid out so that one 64-byte load holds, for all 16 rows of the
 // tile, four consecutive inputs each: the operands of one vpdpbusd.
-//   kInt8Rows: a block is 8 such loads (inputs 4g..4g+3 of every row, g = 0..7), 512 bytes: byte
+//   kInt8Groups: a block is 8 such loads (inputs 4g..4g+3 of every row, g = 0..7), 512 bytes: byte
 //     16 * 4 * g + 4 * row + k is weight (row, 4g + k) + 128.
 //   kInt4Groups: a block is 4 loads, 256 bytes: byte 16 * 4 * p + 4 * row + k holds weight (row,
 //     4p + k) + 8 in its low nibble and weight (row, 4(p + 4) + k) + 8 in its high nibble.
-//   scales: kInt8Rows float32 [padded rows] (one per row); kInt4Groups float16 bits [tiles, blocks,
-//     kTileOutputs] (one per row per group, a tile's block's 16 side by side).
+//   scales, both formats: float16 bits [tiles, blocks, kTileOutputs] (one per row per block of 32
+//     inputs, a tile's block's 16 side by side).
 constexpr int64_t kTileOutputs = 16;
 constexpr int64_t kGroupInputs = 4;
 constexpr int64_t kGroupBytes = kTileOutputs * kGroupInputs;  // one vpdpbusd's weights
@@ -74,14 +73,14 @@ namespace {
 constexpr int64_t padded_outputs(int64_t outputs) { return (outputs + kTileOutputs - 1) / kTileOutputs * kTileOutputs; }
 
 // Bytes of one tile's block.
-constexpr int64_t block_bytes(int format) { return format == kInt8Rows ? kTileOutputs * kBlock : kTileOutputs * kBlock / 2; }
+constexpr int64_t block_bytes(int format) { return format == kInt8Groups ? kTileOutputs * kBlock : kTileOutputs * kBlock / 2; }
 
 // The first byte of tile `tile`'s block `block`.
 inline const uint8_t* tile_block(const Weights& w, int64_t tile, int64_t block) {
     return w.data + (tile * (w.inputs / kBlock) + block) * block_bytes(w.format);
 }
 
-// The float16 bits of an int4 tile's block's 16 scales.
+// The float16 bits of a tile's block's 16 scales.
 inline const uint16_t* tile_scales(const Weights& w, int64_t tile, int64_t block) {
     return static_cast<const uint16_t*>(w.scales) + (tile * (w.inputs / kBlock) + block) * kTileOutputs;
 }

@@ -133,8 +133,8 @@ std::vector<std::string> paths() {
 // its own constants against these when it loads. Names and values side by side (a Dict return
 // trips a warning inside torch's headers).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
-    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_rows", "int4_groups"},
-            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Rows, kInt4Groups}};
+    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_groups", "int4_groups"},
+            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Groups, kInt4Groups}};
 }
 
 }  // namespace
@@ -186,15 +186,14 @@ Job prepare(const QuantizedInput& input, const ProductSpec& spec, int64_t first_
                 "weight must hold the outputs padded to a multiple of ", kTileOutputs, " rows");
     TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (weights stored with their offset)");
     const int64_t blocks = inputs / kBlock;
-    if (format == kInt8Rows) {
+    if (format == kInt8Groups) {
         TORCH_CHECK(weight.size(1) == inputs, "int8 weight must be [padded rows, inputs]");
-        TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == stored, "int8 scales must be float32 [padded rows]");
     } else {
         TORCH_CHECK(format == kInt4Groups, "unknown weight format ", format);
         TORCH_CHECK(weight.size(1) * 2 == inputs, "int4 weight must be [padded rows, inputs / 2]");
-        TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored * blocks,
-                    "int4 scales must be float16 [padded rows / 16, inputs / 32, 16]");
     }
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored * blocks,
+                "scales must be float16 [padded rows / 16, inputs / 32, 16]");
     const float* bias_data = nullptr;
     if (spec.bias.has_value()) {
         const at::Tensor& bias = *spec.bias;

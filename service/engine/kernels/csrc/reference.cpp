@@ -22,7 +22,7 @@ inline float round_half_even(float value) {
 inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, int64_t input) {
     const uint8_t* data = tile_block(w, output / kTileOutputs, block);
     const int64_t row = output % kTileOutputs, group = input / kGroupInputs, k = input % kGroupInputs;
-    if (w.format == kInt8Rows) return data[group * kGroupBytes + row * kGroupInputs + k];
+    if (w.format == kInt8Groups) return data[group * kGroupBytes + row * kGroupInputs + k];
     const uint8_t packed = data[(group % 4) * kGroupBytes + row * kGroupInputs + k];
     return group < 4 ? (packed & 0x0f) : (packed >> 4);
 }
@@ -78,7 +78,7 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
 void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bias, Output out,
                       int64_t begin, int64_t end) {
     const int64_t blocks = w.inputs / kBlock;
-    const int32_t offset = w.format == kInt8Rows ? kInt8Offset : kInt4Offset;
+    const int32_t offset = w.format == kInt8Groups ? kInt8Offset : kInt4Offset;
     for (int64_t row = 0; row < x.rows; ++row) {
         const int8_t* activations = x.values + row * x.cols;
         for (int64_t column = begin * kTileOutputs; column < std::min(end * kTileOutputs, w.outputs); ++column) {
@@ -87,14 +87,9 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
                 int32_t sum = -offset * x.sums[row * blocks + b];
                 for (int64_t i = 0; i < kBlock; ++i) sum += stored_weight(w, column, b, i) * activations[b * kBlock + i];
                 const float activation_scale = x.scales[row * blocks + b];
-                if (w.format == kInt8Rows) {
-                    acc = std::fma(static_cast<float>(sum), activation_scale, acc);
-                } else {
-                    const float group_scale = float16_to_float(tile_scales(w, column / kTileOutputs, b)[column % kTileOutputs]);
-                    acc = std::fma(static_cast<float>(sum), group_scale * activation_scale, acc);
-                }
+                const float group_scale = float16_to_float(tile_scales(w, column / kTileOutputs, b)[column % kTileOutputs]);
+                acc = std::fma(static_cast<float>(sum), group_scale * activation_scale, acc);
             }
-            if (w.format == kInt8Rows) acc *= static_cast<const float*>(w.scales)[column];
             if (bias != nullptr) acc += bias[column];
             store_output(out, row, column, acc);
         }
