@@ -7,12 +7,15 @@ runs one decode step's products of the 0.5B dev model's shapes (bench/probes/ker
 layers and the output layer, random weights, each its own memory) with each library in turn, the
 order alternating round by round. A change to a kernel is then judged by the ratio of the two
 step times taken moments apart on the same weights, which a shared machine's drift moves far less
-than two runs' absolute figures. It first checks that both give the same bits (every path must),
-prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default kernel-ab)
-with the CPU, date and both revisions.
+than two runs' absolute figures. Each library multiplies weights converted by its own revision's
+service/engine/quantized.py, so a revision that stores a format otherwise is timed on its own
+format. It first checks that both give the same bits (every path must; not compared where the two
+read different layouts), prints a table and writes bench/results/<machine>/<name>.json and .md
+(--name, default kernel-ab) with the CPU, date and both revisions.
 """
 
 import argparse
+import importlib.util
 import re
 import statistics
 import subprocess
@@ -27,13 +30,12 @@ import torch  # noqa: E402
 
 from bench import CACHE_DIR, save_results  # noqa: E402
 from bench.probes.kernel_probe import HIDDEN, INTERMEDIATE, random_weight, step_shapes  # noqa: E402
-from service.engine import kernels  # noqa: E402
-from service.engine.quantized import FORMATS, quantize_int4, quantize_int8  # noqa: E402
+from service.engine import kernels, quantized  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 SOURCES = "service/engine/kernels/csrc"
+CONVERTER = "service/engine/quantized.py"
 RENAMED = "corechat_b"
-QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 def renamed_source(text: str) -> str:
@@ -64,40 +66,55 @@ def build_revision(revision: str) -> tuple[str, Path]:
     return commit, library
 
 
-def step_weights(fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """Return one decode step's quantized weights (weight, scales, outputs, inputs), each its own memory."""
+def revision_converter(commit: str):
+    """Return a revision's service/engine/quantized.py as a module (its relative imports the working tree's)."""
+    source = CACHE_DIR / "kernel-ab" / commit / "quantized.py"
+    source.write_text(git("show", f"{commit}:{CONVERTER}"))
+    spec = importlib.util.spec_from_file_location(f"service.engine.quantized_{commit}", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def step_weights(converter, fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Return one decode step's weights quantized by a converter (weight, scales, outputs, inputs), each its own memory."""
     generator = torch.Generator().manual_seed(0)
-    return [(*QUANTIZE[fmt](random_weight(outputs, inputs, generator)), outputs, inputs)
+    return [(*getattr(converter, f"quantize_{fmt}")(random_weight(outputs, inputs, generator)), outputs, inputs)
             for outputs, inputs in step_shapes()]
 
 
 def run_step(operator, fmt: str, weights, activations: dict[int, torch.Tensor], path: int) -> list[torch.Tensor]:
     """Multiply every weight of a step by the activations of its width with one library's operator."""
-    code = FORMATS[fmt].code
+    code = quantized.FORMATS[fmt].code
     return [operator(activations[inputs], weight, scales, None, code, outputs, False, path)
             for weight, scales, outputs, inputs in weights]
 
 
-def compare(fmt: str, rows: int, rounds: int, path: int) -> dict:
-    """Time a step's products with both libraries in turns; return their median times and the ratios."""
-    weights = step_weights(fmt)
+def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> dict:
+    """Time a step's products with both libraries in turns, each on its own revision's weights; return
+    their median times and the ratios."""
+    weights = {name: step_weights(converter, fmt) for name, converter in converters.items()}
     generator = torch.Generator().manual_seed(rows)
     activations = {width: torch.randn(rows, width, generator=generator).to(torch.bfloat16)
                    for width in (HIDDEN, INTERMEDIATE)}
-    operators = {"tree": torch.ops.corechat.quantized_linear, "against": getattr(torch.ops, RENAMED).quantized_linear}
-    outputs = {name: run_step(operator, fmt, weights, activations, path) for name, operator in operators.items()}
-    same_bits = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                    for a, b in zip(outputs["tree"], outputs["against"], strict=True))
+    libraries = {"tree": torch.ops.corechat, "against": getattr(torch.ops, RENAMED)}
+    operators = {name: library.quantized_linear for name, library in libraries.items()}
+    outputs = {name: run_step(operator, fmt, weights[name], activations, path) for name, operator in operators.items()}
+    same_bits = None
+    if libraries["tree"].layout() == libraries["against"].layout():
+        same_bits = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                        for a, b in zip(outputs["tree"], outputs["against"], strict=True))
     seconds = {name: [] for name in operators}
     for round_number in range(rounds):
         for name in (list(operators) if round_number % 2 == 0 else list(operators)[::-1]):
             began = time.perf_counter()
-            run_step(operators[name], fmt, weights, activations, path)
+            run_step(operators[name], fmt, weights[name], activations, path)
             seconds[name].append(time.perf_counter() - began)
     ratios = [tree / against for tree, against in zip(seconds["tree"], seconds["against"], strict=True)]
     quartiles = statistics.quantiles(ratios, n=4)
     return {"format": fmt, "rows": rows, "same_bits": same_bits,
-            "weight_bytes": sum(w.numel() * w.element_size() + s.numel() * s.element_size() for w, s, _, _ in weights),
+            "weight_bytes": {name: sum(w.numel() * w.element_size() + s.numel() * s.element_size()
+                                       for w, s, _, _ in step) for name, step in weights.items()},
             "median_seconds": {name: statistics.median(values) for name, values in seconds.items()},
             "ratio_median": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]]}
 
@@ -107,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="the git revision to compare the working tree with")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8])
-    parser.add_argument("--formats", nargs="+", choices=sorted(QUANTIZE), default=["int8", "int4"])
+    parser.add_argument("--formats", nargs="+", choices=sorted(quantized.FORMATS), default=["int8", "int4"])
     parser.add_argument("--path", choices=sorted(kernels.PATHS), default="best", help="the kernel path both run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
@@ -118,17 +135,19 @@ def main() -> None:
     commit, library = build_revision(args.against)
     torch.ops.load_library(str(library))
     path = kernels.PATHS[args.path]
-    results = [compare(fmt, rows, args.rounds, path) for fmt in args.formats for rows in args.rows]
+    converters = {"tree": quantized, "against": revision_converter(commit)}
+    results = [compare(fmt, rows, args.rounds, path, converters) for fmt in args.formats for rows in args.rows]
     lines = ["| format | rows | working tree | " + commit + " | tree / " + commit + " (median, quartiles) | same bits |",
              "|---|---|---|---|---|---|"]
     for result in results:
         cells = []
         for name in ("tree", "against"):
             seconds = result["median_seconds"][name]
-            cells.append(f"{seconds * 1e3:.2f} ms, {result['weight_bytes'] / seconds / 1e9:.1f} GB/s")
+            cells.append(f"{seconds * 1e3:.2f} ms, {result['weight_bytes'][name] / seconds / 1e9:.1f} GB/s")
         low, high = result["ratio_quartiles"]
+        same = {None: "other layout", True: "yes", False: "NO"}[result["same_bits"]]
         lines.append(f"| {result['format']} | {result['rows']} | {cells[0]} | {cells[1]} | "
-                     f"{result['ratio_median']:.3f} ({low:.3f}-{high:.3f}) | {'yes' if result['same_bits'] else 'NO'} |")
+                     f"{result['ratio_median']:.3f} ({low:.3f}-{high:.3f}) | {same} |")
     table = (f"## One decode step's products, working tree against {commit}: path {args.path}, {args.threads} "
              f"thread(s), {args.rounds} alternating rounds (a ratio below 1: the working tree is faster)\n\n"
              + "\n".join(lines) + "\n")
