@@ -95,13 +95,17 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def convert_in_child(gguf_path: Path, converted_dir: Path) -> None:
-    """Convert a GGUF file in a child process (Gunicorn's master does no torch work of its own)."""
-    finished = subprocess.run([sys.executable, "-m", "service.engine.gguf", str(gguf_path), "--into", str(converted_dir)],
-                              cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL)
-    if finished.returncode != 0:
-        log.warning("converting %s failed (exit status %d); each worker tries again and reports why",
-                    gguf_path, finished.returncode)
+def convert_in_child(gguf_path: Path, converted_dir: Path) -> Path:
+    """Return a GGUF file's folder, converting it in a child process unless an earlier run did
+    (Gunicorn's master does no torch work of its own)."""
+    folder = folder_for(gguf_path, converted_dir)
+    if not (folder / WEIGHTS).is_file():
+        finished = subprocess.run([sys.executable, "-m", "service.engine.gguf", str(gguf_path), "--into",
+                                   str(converted_dir)], cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL)
+        if finished.returncode != 0:
+            log.warning("converting %s failed (exit status %d); each worker tries again and reports why",
+                        gguf_path, finished.returncode)
+    return folder
 
 
 def main() -> None:

@@ -43,14 +43,12 @@ def import_worker_libraries(model: str, converted_dir: str) -> None:
     (which trim theirs when idle) drop their copies of those pages.
     """
     from .. import app  # noqa: F401 (the whole app, the engine's core with torch and transformers among it)
-    from ..engine.gguf import convert_in_child, folder_for, is_gguf_file
+    from ..engine.gguf import convert_in_child, is_gguf_file
     from ..engine.loading import preload_tokenizer
     from ..engine.memory import return_freed_memory
 
     if is_gguf_file(model) and Path(model).expanduser().is_file():
-        gguf_path = Path(model).expanduser().resolve()
-        convert_in_child(gguf_path, Path(converted_dir))
-        model = str(folder_for(gguf_path, Path(converted_dir)))
+        model = str(convert_in_child(Path(model).expanduser().resolve(), Path(converted_dir)))
     preload_tokenizer(model)
     gc.collect()
     return_freed_memory()

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -9,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service.engine.gguf import folder_for, is_gguf_file
+from harness import REPO
+from service.engine.gguf import convert_in_child, folder_for, is_gguf_file
 from service.engine.loading import ModelNotFound, resolve_model_dir
 from service.settings import Settings
 
@@ -73,3 +76,11 @@ def test_the_folder_holds_the_architecture_tokenizer_and_template_of_the_file(sm
     assert rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.convert_ids_to_tokens(json.loads((smollm2_dir / "generation_config.json").read_text())
                                            ["eos_token_id"]) == "<|im_end|>"
+
+
+def test_the_command_line_gives_the_folder_the_master_serves(smollm2_gguf, smollm2_dir):
+    """What Gunicorn's master runs in a child process (it does no torch work itself) and what converts ahead."""
+    printed = subprocess.run([sys.executable, "-m", "service.engine.gguf", str(smollm2_gguf), "--into",
+                              Settings().converted_weights_dir], capture_output=True, text=True, check=True, cwd=REPO)
+    assert Path(printed.stdout.strip()) == smollm2_dir
+    assert convert_in_child(smollm2_gguf, Path(Settings().converted_weights_dir)) == smollm2_dir
