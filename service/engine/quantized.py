@@ -7,7 +7,8 @@ is repacked per worker.
   int8: groups of 32 weights of a row, one float16 scale each (symmetric, -127..127), as llama.cpp's
         q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
-        sharing a byte's nibbles (4.5 bits per weight).
+        sharing a byte's nibbles (4.5 bits per weight); the output layer is int8, as llama.cpp's
+        q4_0 keeps its output layer at 6 bits (q6_K): the logits' own rounding weighs most.
 Weights are stored with an offset that makes them unsigned (+128, +8), in tiles of 16 rows whose
 blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
 64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
 # a file written by another version is never read as this one's.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -180,20 +181,30 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
 
-    The group's largest-magnitude weight maps to -8 exactly (as llama.cpp's q4_0 does), so all 16
-    levels are used; the rounding uses the float16 scale that is stored. Each block of a tile holds
-    its 16 rows' groups of 4 inputs side by side, group p's in the low nibbles and group p + 4's in
-    the high ones; the scales lie [tiles, blocks, 16 rows].
+    The group's largest-magnitude weight maps exactly to -8 (as llama.cpp's q4_0 maps it) or to 7,
+    whichever leaves the group the smaller squared error: either keeps that weight exact, and the
+    other step sometimes fits the rest of the group better. The rounding uses the float16 scale that
+    is stored. Each block of a tile holds its 16 rows' groups of 4 inputs side by side, group p's in
+    the low nibbles and group p + 4's in the high ones; the scales lie [tiles, blocks, 16 rows].
     """
     outputs, inputs = weight.shape
     check_width(INT4, inputs)
     groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
     extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    scales = (extreme / -8).to(torch.float16)
-    stored_scales = scales.float()
-    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-    levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
-    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    scales, levels, error = None, None, None
+    for extreme_level in (-8, 7):
+        trial_scales = (extreme / extreme_level).to(torch.float16)
+        stored_scales = trial_scales.float()
+        safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
+        trial_levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
+        trial_levels = torch.where(stored_scales[:, :, None] != 0, trial_levels, torch.zeros_like(trial_levels))
+        trial_error = (trial_levels * stored_scales[:, :, None] - groups).square().sum(dim=2)
+        if scales is None:
+            scales, levels, error = trial_scales, trial_levels, trial_error
+        else:
+            better = trial_error < error
+            scales = torch.where(better, trial_scales, scales)
+            levels = torch.where(better[:, :, None], trial_levels, levels)
     nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT4_OFFSET)
     rows = nibbles.shape[0]
     # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
@@ -219,6 +230,11 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}
+
+
+def format_of(fmt: WeightFormat, weight_name: str) -> WeightFormat:
+    """Return the format a weight is stored in under DTYPE `fmt`: the output layer's is always int8."""
+    return INT8 if weight_name == OUTPUT_LAYER else fmt
 
 
 def quantized_weight_names(model) -> dict[str, str]:
@@ -260,7 +276,7 @@ def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, 
 
 
 def convert(fmt: WeightFormat, model_dir: Path, model, target: Path, fingerprint: str) -> None:
-    """Write the quantized weights and scales of every Linear (the output layer included) to one file."""
+    """Write the quantized weights and scales of every Linear (the output layer included, in int8) to one file."""
     state = {}
     for path in safetensors_files(model_dir):
         state.update(map_safetensors(path))
@@ -269,10 +285,11 @@ def convert(fmt: WeightFormat, model_dir: Path, model, target: Path, fingerprint
         source = state.get(weight_name)
         if source is None and weight_name == OUTPUT_LAYER:
             source = state[EMBEDDING]  # tied output layer
-        if source.shape[1] % fmt.width_multiple:
-            raise ValueError(f"{fmt.name} needs Linear input widths that are multiples of {fmt.width_multiple}; "
+        stored = format_of(fmt, weight_name)
+        if source.shape[1] % stored.width_multiple:
+            raise ValueError(f"{stored.name} needs Linear input widths that are multiples of {stored.width_multiple}; "
                              f"{weight_name} has {source.shape[1]}")
-        tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[fmt.name](source)
+        tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[stored.name](source)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(temporary), metadata=conversion_metadata(fmt, fingerprint))
@@ -313,5 +330,6 @@ def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Pa
         # Biases are small: a private float32 copy lets the kernel add them before its one rounding.
         bias = old.bias.detach().float() if old.bias is not None else None
         setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
-                                               bias, fmt, old.out_features, float32_output=module_name == "lm_head"))
+                                               bias, format_of(fmt, weight_name), old.out_features,
+                                               float32_output=module_name == "lm_head"))
     return target

@@ -45,13 +45,15 @@ def product_arguments(linears: list[QuantizedLinear]) -> tuple:
 
 def fused_layers(model) -> list[FusedLayer] | None:
     """Return the fused operators' arguments for every decoder layer, or None unless every product
-    of every layer is quantized, in one format, and the output layer too."""
+    of every layer is quantized, in one format, and the output layer too (in a format of its own)."""
+    if not isinstance(model.lm_head, QuantizedLinear):
+        return None
     layers = []
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         attention, mlp = layer.self_attn, layer.mlp
         before = [attention.q_proj, attention.k_proj, attention.v_proj]
         after = [attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        linears = before + after + [model.lm_head]
+        linears = before + after
         if not all(isinstance(linear, QuantizedLinear) and linear.format is linears[0].format for linear in linears):
             return None
         layers.append(FusedLayer(

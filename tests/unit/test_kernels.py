@@ -329,14 +329,19 @@ def test_an_operator_given_a_bad_shape_dtype_or_device_raises_instead_of_crashin
 
 
 def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
-    """The largest-magnitude weight of a group is stored as -8 times its scale; others within half a
-    step, or a step where +8 steps had to be clamped to 7."""
+    """The largest-magnitude weight of a group is stored as -8 or 7 times its scale, whichever leaves the
+    group no more squared error than q4_0's -8 alone; others within half a step, or a step where +8
+    steps had to be clamped to 7."""
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
     packed, scales = quantize_int4(weight)
     restored = dequantize(INT4, packed, scales, 16)
     groups, restored_groups = weight.reshape(16, 4, 32), restored.reshape(16, 4, 32)
     extreme = groups.abs().argmax(dim=2, keepdim=True)
     assert torch.allclose(restored_groups.gather(2, extreme), groups.gather(2, extreme), rtol=1e-3)
+    q4_0_scales = (groups.gather(2, extreme) / -8).half().float()
+    q4_0 = (groups / q4_0_scales).round().clamp(-8, 7) * q4_0_scales
+    errors, q4_0_errors = ((restored_groups - groups) ** 2).sum(2), ((q4_0 - groups) ** 2).sum(2)
+    assert (errors <= q4_0_errors).all() and (errors < q4_0_errors).any()
     scales = scales.reshape(4, 16).t().float()  # stored [tiles, blocks, 16 rows]
     step = scales.abs()[:, :, None]
     clamped = groups / scales[:, :, None] > 7.5
