@@ -158,6 +158,25 @@ def test_completed_reply_shows_time_to_first_token_speed_and_finish(browser, key
     browser.save_screenshot(str(ARTIFACTS / "chat-page.png"))
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(gunicorn, smollm2_gguf):
+    """Serve the real SmolLM2 as `make serve MODEL=smollm2` does: its GGUF file, every other setting at its default."""
+    with gunicorn(model=str(smollm2_gguf)) as server:
+        yield server
+
+
+def test_the_real_model_answers_a_real_question_in_words(browser, smollm2_server):
+    """The demo a newcomer runs first with a real model: a question typed on the page, answered in words."""
+    open_page(browser, smollm2_server.url, api_key=None)
+    set_field(browser, "temperature", 0)
+    send(browser, "What is the capital of France?")
+    reply = wait_for(browser, lambda driver: last_reply(driver)["state"] == "done" and last_reply(driver), 120)
+    assert "Paris" in reply["text"]
+    assert "finish: stop" in reply["stats"]
+    models = requests.get(f"{smollm2_server.url}/v1/models", timeout=10).json()
+    assert [model["id"] for model in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
 def test_wrong_api_key_shows_a_readable_401(browser, keyed_server):
     open_page(browser, keyed_server.url, api_key="sk-wrong")
     send(browser, "Hello?")
