@@ -27,8 +27,9 @@ class Settings(BaseSettings):
     # Model
     model: str = Field(
         str(DEFAULT_DEMO_MODEL_DIR),
-        description="Local Hugging Face model folder or hub id. Defaults to the demo model that "
-        "`make serve` builds (random weights).",
+        description="Local Hugging Face model folder, GGUF file (converted once into a float32 folder under "
+        "CONVERTED_WEIGHTS_DIR) or hub id; Qwen2 and Llama architectures run the fast path. Defaults to the demo "
+        "model that `make serve` builds (random weights); `make serve MODEL=smollm2` serves a real one.",
     )
     model_name: str = Field(
         "", description="Comma-separated aliases accepted besides the model's own id (a hub id as given, a "
@@ -37,9 +38,10 @@ class Settings(BaseSettings):
     )
     dtype: str = Field(
         "int8", description="Weight format: int8 or int4 (Linear weights as 8- or 4-bit integers, a float16 "
-        "scale per group of 32), converted once into a file beside the model that workers share, the rest "
-        "bfloat16; or bfloat16, or float32. int8 and int4 run corechat's own kernels, and their replies do "
-        "not depend on what else a worker decodes (docs/performance.md)."
+        "scale per group of 32; int4's output layer int8), converted once into a file beside the model that "
+        "workers share, the rest bfloat16; or bfloat16, or float32. int8 and int4 run corechat's own kernels, "
+        "and their replies do not depend on what else a worker decodes (docs/performance.md); what each format "
+        "costs in faithfulness: docs/configuration.md."
     )
     max_model_len: int = Field(
         0, ge=0, description="Context window in tokens; 0 takes the model's max_position_embeddings."
@@ -130,7 +132,8 @@ class Settings(BaseSettings):
     preload_libraries: bool = Field(
         True, description="Import torch, transformers and the app's modules, and load the tokenizer of a MODEL "
         "folder, in the Gunicorn master before it forks the workers (no model, no tensor, no thread pool), so "
-        "the workers share that state instead of each building a private copy (see docs/performance.md)."
+        "the workers share that state instead of each building a private copy (see docs/performance.md). A "
+        "GGUF MODEL is converted first, in a child process."
     )
 
     # Cache
@@ -234,8 +237,9 @@ class Settings(BaseSettings):
     )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
-        description="Where DTYPE=int8 or int4 writes its converted weights, and every DTYPE keeps the weight "
-        "files' hashes (the model's fingerprint), when the model folder is read-only.",
+        description="Where a GGUF MODEL is converted into a model folder, and where DTYPE=int8 or int4 writes "
+        "its converted weights and every DTYPE keeps the weight files' hashes (the model's fingerprint) when the "
+        "model folder is read-only.",
     )
     kernel_path: Literal["best", "amx", "avx512_vnni", "avx2", "reference"] = Field(
         "best", description="The kernels' instruction-set path: best (the best this CPU runs), or one it runs "
