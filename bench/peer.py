@@ -167,12 +167,12 @@ def build_once(toolchain: Toolchain, root: Path, fetch_source: Callable[[], None
     return toolchain
 
 
-def run_tool(command: list[str], **options) -> None:
-    """Run one of llama.cpp's tools, raising with the end of its output when it fails."""
-    finished = subprocess.run(command, capture_output=True, text=True, **options)
+def run_tool(command: list[str], **options) -> str:
+    """Run one of llama.cpp's tools and return its output, raising with the end of it when the tool fails."""
+    finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **options)
     if finished.returncode != 0:
-        raise RuntimeError(f"{shown_command(command)} exited with {finished.returncode}:\n"
-                           f"{(finished.stdout + finished.stderr)[-4000:]}")
+        raise RuntimeError(f"{shown_command(command)} exited with {finished.returncode}:\n{finished.stdout[-4000:]}")
+    return finished.stdout
 
 
 def model_key(model_dir: Path) -> str:
@@ -201,25 +201,30 @@ def converter_site(version: str, root: Path) -> Path:
 
 
 def convert(toolchain: Toolchain, model_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION,
-            root: Path = PEER_DIR) -> dict[str, Path]:
-    """Convert a Hugging Face model folder with llama.cpp's own tools: bf16 GGUF, then each quantization."""
+            root: Path = PEER_DIR, *, outtype: str = "bf16",
+            quantizations: tuple[str, ...] = QUANTIZATIONS) -> dict[str, Path]:
+    """Convert a Hugging Face model folder with llama.cpp's own tools: an `outtype` GGUF (convert_hf_to_gguf.py's
+    --outtype), then each quantization of it; return the files by name, the outtype's among them."""
     out_dir = root / "gguf" / f"{model_dir.name}-{model_key(model_dir)}-{version}"
-    files = {name: out_dir / f"model-{name}.gguf" for name in ("bf16", *QUANTIZATIONS)}
+    # Quantized from another outtype than bf16, a file is named by its source too, so neither replaces the other.
+    source = "" if outtype == "bf16" else f"-from-{outtype}"
+    files = {outtype: out_dir / f"model-{outtype}.gguf",
+             **{name: out_dir / f"model-{name}{source}.gguf" for name in quantizations}}
     with exclusive(root / "convert.lock"):
-        if not files["bf16"].is_file():
-            progress(f"converting {model_dir} to GGUF with llama.cpp's convert_hf_to_gguf.py")
+        if not files[outtype].is_file():
+            progress(f"converting {model_dir} to {outtype} GGUF with llama.cpp's convert_hf_to_gguf.py")
             out_dir.mkdir(parents=True, exist_ok=True)
             # The gguf package of the same vendored tree, so converter and format always agree.
             path = os.pathsep.join([str(toolchain.source / "gguf-py"), str(converter_site(version, root))])
-            partial = files["bf16"].with_suffix(".partial")
+            partial = files[outtype].with_suffix(".partial")
             run_tool([sys.executable, str(toolchain.source / "convert_hf_to_gguf.py"), str(model_dir),
-                      "--outtype", "bf16", "--outfile", str(partial)], env={**os.environ, "PYTHONPATH": path})
-            partial.rename(files["bf16"])
-        for name in QUANTIZATIONS:
+                      "--outtype", outtype, "--outfile", str(partial)], env={**os.environ, "PYTHONPATH": path})
+            partial.rename(files[outtype])
+        for name in quantizations:
             if not files[name].is_file():
                 progress(f"quantizing to {name} with llama-quantize")
                 partial = files[name].with_suffix(".partial")
-                run_tool([str(toolchain.quantize), str(files["bf16"]), str(partial), name.upper()])
+                run_tool([str(toolchain.quantize), str(files[outtype]), str(partial), name.upper()])
                 partial.rename(files[name])
     return files
 

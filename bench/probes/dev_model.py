@@ -1,7 +1,9 @@
-"""The 0.5B dev model loaded in-process as a worker loads it, for the probes that time the model's parts.
+"""A model loaded in-process as a worker loads it, for the probes that time the model's parts and for
+bench/quality.py; the 0.5B dev model unless a folder is named.
 
-`load_dev_model` gives the model and its tokenizer (bench/probes/agreement.py), `load_dev_runner`
-the runner a worker's engine drives (bench/probes/step_probe.py, kv_fetch_probe.py).
+`load_dev_model` gives the dev model and its tokenizer (bench/probes/agreement.py), `load_dev_runner`
+the runner a worker's engine drives (bench/probes/step_probe.py, kv_fetch_probe.py), `load_runner`
+that runner of any model folder (bench/quality.py).
 """
 
 from pathlib import Path
@@ -24,12 +26,17 @@ def load_dev_model(dtype: str):
 def load_prepared_dev_model(dtype: str):
     """load_dev_model, and what preparing the model decided (service.engine.prepare.PreparedModel)."""
     from devtools.devmodel import build_dev_model
+
+    return load_prepared_model(build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"), dtype)
+
+
+def load_prepared_model(model_dir: Path, dtype: str):
+    """Load a model folder at a DTYPE as a worker does; return the model, its tokenizer and what preparing it decided."""
     from service.engine.core import DTYPES
     from service.engine.loading import load_model, load_tokenizer, model_fingerprint
     from service.engine.prepare import prepare_model
     from service.settings import Settings
 
-    model_dir = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, DTYPES[dtype])
     settings = Settings()
@@ -39,12 +46,22 @@ def load_prepared_dev_model(dtype: str):
     return model, tokenizer, prepared
 
 
-def load_dev_runner(dtype: str, kv_cache_mb: int = 1024):
-    """Load the 0.5B dev model as a worker does; return the runner its engine drives and the tokenizer."""
+def load_runner(model_dir: Path, dtype: str, kv_cache_mb: int = 1024):
+    """Load a model folder as a worker does; return the runner its engine drives (the lean forward's where
+    that serves the model, else transformers'), the tokenizer and what preparing the model decided."""
     from service.engine.core import DTYPES
     from service.engine.memory import KVBudget, kv_bytes_per_token
-    from service.engine.runners import PagedModel
+    from service.engine.runners import PagedModel, TransformersModel
 
-    model, tokenizer, prepared = load_prepared_dev_model(dtype)
+    model, tokenizer, prepared = load_prepared_model(model_dir, dtype)
     budget = KVBudget.of(kv_cache_mb, kv_bytes_per_token(model.config, DTYPES[dtype]))
-    return PagedModel(prepared.lean, budget), tokenizer
+    runner = PagedModel(prepared.lean, budget) if prepared.lean is not None else TransformersModel(model, budget)
+    return runner, tokenizer, prepared
+
+
+def load_dev_runner(dtype: str, kv_cache_mb: int = 1024):
+    """Load the 0.5B dev model as a worker does; return the runner its engine drives and the tokenizer."""
+    from devtools.devmodel import build_dev_model
+
+    runner, tokenizer, _ = load_runner(build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"), dtype, kv_cache_mb)
+    return runner, tokenizer
