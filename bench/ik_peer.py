@@ -147,7 +147,7 @@ def unpack(source: Path, commit: str, destination: Path) -> None:
 
 
 def build(source: Path | None = None, root: Path = PEER_DIR) -> Toolchain:
-    """Build llama-server and llama-quantize of the clone's HEAD, once per commit and CPU; without a
+    """Build BUILD_TARGETS of the clone's HEAD, once per commit and CPU; without a
     clone, return the latest build."""
     if source is None:
         return latest_build(root)

@@ -1,8 +1,8 @@
-"""The benchmark's peer llama.cpp: its llama-server and llama-quantize built from source, the model
+"""The benchmark's peer llama.cpp: its llama-server, llama-quantize and llama-perplexity built from source, the model
 folder converted to GGUF, and the server run; ik_llama.cpp (bench/ik_peer.py) builds on these helpers,
 and bench/peers.py prepares either.
 
-    python -m bench.peers build [--isa avx2]     # build llama-server and llama-quantize (~10 min, cached)
+    python -m bench.peers build [--isa avx2]     # build llama-server, llama-quantize and llama-perplexity (~10 min, cached)
     python -m bench.peers convert MODEL_DIR      # MODEL_DIR as bf16, q8_0 and q4_0 GGUF files (cached)
     python -m bench.peers build --peer ik_llama.cpp --source CLONE   # the fork's HEAD commit (~8 min, cached)
     python -m bench.peers convert MODEL_DIR --peer ik_llama.cpp      # llama.cpp's bf16, quantized by the fork
@@ -33,7 +33,8 @@ from pathlib import Path
 # The sdist whose vendored llama.cpp is the peer; bump it to compare with a newer llama.cpp.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PEER_DIR = Path.home() / ".cache" / "corechat" / "peer"
-BUILD_TARGETS = ("llama-server", "llama-quantize")
+# llama-perplexity scores the peer's formats for the quality benchmark (bench/quality.py).
+BUILD_TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 # What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight.
 QUANTIZATIONS = ("q8_0", "q4_0")
 # Only what the two targets need: no tests, examples, web UI download, HTTPS or shared libraries.
@@ -105,9 +106,14 @@ class Toolchain:
         return self.build / "bin" / "llama-quantize"
 
     @property
+    def perplexity(self) -> Path:
+        """Return the llama-perplexity binary."""
+        return self.build / "bin" / "llama-perplexity"
+
+    @property
     def built(self) -> bool:
-        """Tell whether both binaries exist."""
-        return self.server.is_file() and self.quantize.is_file()
+        """Tell whether every binary of BUILD_TARGETS exists."""
+        return all((self.build / "bin" / target).is_file() for target in BUILD_TARGETS)
 
 
 def leaves_out_amx(isa: str, cpuinfo: str) -> bool:
@@ -130,7 +136,7 @@ def toolchain_for(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR
 
 
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path = PEER_DIR, isa: str = "native") -> Toolchain:
-    """Download the sdist, unpack it and build llama-server and llama-quantize, once per version, CPU and ISA_OPTIONS key."""
+    """Download the sdist, unpack it and build BUILD_TARGETS, once per version, CPU and ISA_OPTIONS key."""
 
     def download() -> None:
         progress(f"downloading the llama-cpp-python {version} sdist from PyPI")

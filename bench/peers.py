@@ -52,7 +52,7 @@ def main() -> None:
     """Build a peer's tools, or convert a model folder with them."""
     parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    building = commands.add_parser("build", help="build llama-server and llama-quantize (cached)")
+    building = commands.add_parser("build", help="build llama-server, llama-quantize and llama-perplexity (cached)")
     building.add_argument("--isa", choices=sorted(ISA_OPTIONS), default="native",
                           help="avx2: at most AVX2, as on an AVX2-only CPU (llama.cpp only)")
     building.add_argument("--source", type=Path,

@@ -27,8 +27,14 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 # Part of the folder's name: bump it whenever what a conversion writes changes.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 WEIGHTS = "model.safetensors"
+# llama.cpp splits text before its byte-level BPE as the file's `tokenizer.ggml.pre` names it;
+# transformers' conversion keeps only the byte-level step, so a number after a space or a newline
+# would tokenize otherwise than the model was trained on (and than llama.cpp does). The splits of
+# the pre-tokenizers whose names differ from what transformers rebuilds, as their models' own
+# tokenizer.json files give them, run before the byte-level step.
+SPLITS_BEFORE_BYTES = {"smollm": (("Digits", {"individual_digits": True}),)}
 
 
 def is_gguf_file(model: str) -> bool:
@@ -82,7 +88,9 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
         if missing:
             raise ValueError(f"{gguf_path} lacks tensors the {config.model_type} architecture needs: {missing[:5]}")
         config.save_pretrained(temporary)
-        AutoTokenizer.from_pretrained(source_dir, gguf_file=name).save_pretrained(temporary)
+        tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=name)
+        restore_splits(tokenizer, gguf_path)
+        tokenizer.save_pretrained(temporary)
         GenerationConfig.from_model_config(config).save_pretrained(temporary)
         save_file({key: tensor.to(torch.float32).contiguous() for key, tensor in tensors.items()},
                   str(temporary / WEIGHTS), metadata={"format": "pt", "source": name})
@@ -93,6 +101,19 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
         os.replace(temporary, folder)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def restore_splits(tokenizer, gguf_path: Path) -> None:
+    """Put back the splits before the byte-level step that the file's pre-tokenizer name stands for."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    field = gguf.GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
+    splits = SPLITS_BEFORE_BYTES.get(field.contents() if field is not None else "", ())
+    if splits:
+        backend = tokenizer.backend_tokenizer
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [getattr(pre_tokenizers, kind)(**options) for kind, options in splits] + [backend.pre_tokenizer])
 
 
 def convert_in_child(gguf_path: Path, converted_dir: Path) -> Path:

@@ -84,3 +84,13 @@ def test_the_command_line_gives_the_folder_the_master_serves(smollm2_gguf, smoll
                               Settings().converted_weights_dir], capture_output=True, text=True, check=True, cwd=REPO)
     assert Path(printed.stdout.strip()) == smollm2_dir
     assert convert_in_child(smollm2_gguf, Path(Settings().converted_weights_dir)) == smollm2_dir
+
+
+def test_numbers_split_as_llama_cpp_splits_them(smollm2_dir):
+    """The file's pre-tokenizer (`smollm`) splits digits one by one before the byte-level BPE, as
+    llama.cpp does and the model was trained; transformers' GGUF conversion alone leaves that out."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer("CONDITIONS\n\n  0. Definitions 2026")["input_ids"])
+    assert pieces == ["CON", "DIT", "IONS", "ĊĊĠĠ", "0", ".", "ĠDefinitions", "Ġ", "2", "0", "2", "6"]

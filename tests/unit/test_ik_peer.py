@@ -71,7 +71,7 @@ def test_without_a_clone_the_latest_ik_build_on_this_cpu_serves(tmp_path):
         ik_peer.latest_build(tmp_path)
     older, newer, unfinished = (ik_peer.toolchain_for(commit * 40, tmp_path) for commit in "abc")
     for toolchain in (older, newer):
-        for binary in (toolchain.server, toolchain.quantize):
+        for binary in (toolchain.server, toolchain.quantize, toolchain.perplexity):
             binary.parent.mkdir(parents=True, exist_ok=True)
             binary.touch()
     unfinished.server.parent.mkdir(parents=True)
