@@ -1,0 +1,158 @@
+"""What each rounding of a weight format costs on the real model, one at a time.
+
+`python bench/probes/rounding.py` runs SmolLM2-135M-Instruct's float32 forward (transformers') over
+bench/quality.py's windows with one rounding applied at a time, and gives each variant's KL
+divergence from the plain float32 forward and its top-1 agreement:
+- weights only, stored as each format stores them (service/engine/quantized.py's own converters,
+  dequantized), and as the alternatives the formats were chosen over: int8 with one scale per row,
+  int4 with q4_0's rule (each group's largest weight at -8) and with its output layer in int4 too;
+- int8 weights plus the activations rounded to int8 per block of 32, as the kernels round every
+  product's input;
+- that plus bfloat16 where the served forward keeps bfloat16 (the embedding, each layer's output,
+  and the query, key, value, attention-output and down products' outputs).
+It splits bench/quality.py's end-to-end figure into its causes, so a format idea can be judged
+before a kernel is written. Results: bench/results/<machine>/rounding.json and .md.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench import save_results  # noqa: E402
+from bench.quality import TEXT, WINDOW, Tally, read_text, scored_positions, text_tokens, windows_of  # noqa: E402
+from service.engine.quantized import INT4, INT8, OUTPUT_LAYER, dequantize, quantize_int4, quantize_int8  # noqa: E402
+
+GROUP = 32
+
+
+def stored(fmt, quantize) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return the rounding of a format's converter: the weights it stores, dequantized."""
+    return lambda weight: dequantize(fmt, *quantize(weight), weight.shape[0])
+
+
+def int8_per_row(weight: torch.Tensor) -> torch.Tensor:
+    """int8 with one float32 scale per row (the format int8 replaced)."""
+    scales = weight.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(weight / torch.where(scales > 0, scales, 1.0)).clamp(-127, 127) * scales
+
+
+def int4_q4_0_rule(weight: torch.Tensor) -> torch.Tensor:
+    """int4 with llama.cpp's q4_0 rule alone: each group's largest weight at -8 steps."""
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    scales = (groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)) / -8).half().float()
+    levels = torch.round(groups / torch.where(scales != 0, scales, 1.0)).clamp(-8, 7)
+    return (levels * scales).reshape(weight.shape)
+
+
+def activations_rounded(module: nn.Module, inputs: tuple) -> tuple:
+    """Round a product's input to int8 per block of 32, as the kernels do (largest magnitude / 127)."""
+    (states,) = inputs
+    blocks = states.reshape(*states.shape[:-1], -1, GROUP)
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    levels = torch.round(blocks / torch.where(scales > 0, scales, 1.0)).clamp(-127, 127)
+    return ((levels * scales).reshape(states.shape),)
+
+
+def bfloat16_output(module: nn.Module, inputs: tuple, output):
+    """Round a module's output (or a decoder layer's hidden states) to bfloat16."""
+    if isinstance(output, tuple):
+        return (output[0].bfloat16().float(), *output[1:])
+    return output.bfloat16().float()
+
+
+# Variant name -> (the decoder's Linear weights' rounding, the output layer's, activations, bfloat16 states).
+VARIANTS = {
+    "none (float32)": (torch.clone, torch.clone, False, False),
+    "int8 weights (a float16 scale per group of 32)": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), False, False),
+    "int8 weights (a float32 scale per row)": (int8_per_row, int8_per_row, False, False),
+    "int4 weights (output layer int8)": (stored(INT4, quantize_int4), stored(INT8, quantize_int8), False, False),
+    "int4 weights (output layer int4)": (stored(INT4, quantize_int4), stored(INT4, quantize_int4), False, False),
+    "int4 weights (q4_0's rule, output layer int8)": (int4_q4_0_rule, stored(INT8, quantize_int8), False, False),
+    "int8 weights + activations per 32": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), True, False),
+    "int8 weights + activations + bfloat16 states": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), True, True),
+}
+
+
+def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], weights, output_weights,
+                activations: bool, bfloat16_states: bool, originals: dict[str, torch.Tensor]) -> dict:
+    """Score one variant's forward against the float32 one; the model is restored after."""
+    hooks = []
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name.startswith("model.layers.")}
+    with torch.no_grad():
+        for name, module in linears.items():
+            module.weight.copy_(weights(originals[f"{name}.weight"]))
+        output = output_weights(originals[OUTPUT_LAYER])
+    if activations:
+        hooks += [module.register_forward_pre_hook(activations_rounded) for module in linears.values()]
+    if bfloat16_states:
+        hooks.append(model.model.embed_tokens.register_forward_hook(bfloat16_output))
+        for layer in model.model.layers:
+            hooks.append(layer.register_forward_hook(bfloat16_output))
+            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj, layer.mlp.down_proj):
+                hooks.append(module.register_forward_hook(bfloat16_output))
+    tally = Tally()
+    scored = scored_positions(WINDOW)
+    try:
+        with torch.inference_mode():
+            for window, expected in zip(windows, reference, strict=True):
+                hidden = model.model(input_ids=torch.tensor([window])).last_hidden_state[0, scored.start:scored.stop]
+                if activations:
+                    (hidden,) = activations_rounded(model.lm_head, (hidden,))
+                tally.add(expected, (hidden @ output.T).log_softmax(-1), torch.tensor(window[scored.start + 1:]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        with torch.no_grad():
+            for name, module in linears.items():
+                module.weight.copy_(originals[f"{name}.weight"])
+    scores = tally.scores(0, 1.0)
+    return {"kld_mean": scores.kld_mean, "kld_99": scores.kld_99, "top1_same": scores.top1_same,
+            "perplexity": scores.perplexity}
+
+
+def main() -> None:
+    """Score every variant and save the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from devtools.smollm2 import gguf_path
+    from service.engine.gguf import converted_folder
+    from service.settings import Settings
+
+    folder = converted_folder(gguf_path(), Path(Settings().converted_weights_dir))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids, bos = text_tokens(tokenizer, read_text(TEXT))
+    windows = windows_of(ids, WINDOW, bos)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    originals = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    originals.setdefault(OUTPUT_LAYER, originals["model.embed_tokens.weight"])
+    scored = scored_positions(WINDOW)
+    with torch.inference_mode():
+        reference = [model(input_ids=torch.tensor([window])).logits[0, scored.start:scored.stop].log_softmax(-1)
+                     for window in windows]
+    results = {"model": folder.name, "windows": len(windows), "scored_tokens": len(windows) * len(scored),
+               "variants": {name: run_variant(model, reference, windows, *variant, originals)
+                            for name, variant in VARIANTS.items()}}
+    rows = ["| rounding | mean KLD | 99% KLD | top-1 same as float32 | perplexity |", "|---|---|---|---|---|"]
+    for name, figures in results["variants"].items():
+        rows.append(f"| {name} | {figures['kld_mean']:.5f} | {figures['kld_99']:.4f} | {figures['top1_same']:.2%} | "
+                    f"{figures['perplexity']:.3f} |")
+    save_results("rounding", results, f"## Each rounding alone on SmolLM2-135M-Instruct's float32 forward "
+                 f"({len(windows)} windows of {WINDOW} tokens of {TEXT.name}, {results['scored_tokens']} scored)\n\n"
+                 + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
