@@ -38,7 +38,10 @@ def resolve_model_dir(model: str, converted_dir: Path) -> Path:
     if is_gguf_file(model):
         if not path.is_file():
             raise ModelNotFound(f"GGUF file {model} does not exist")
-        return converted_folder(path.resolve(), converted_dir)
+        try:
+            return converted_folder(path.resolve(), converted_dir)
+        except (ValueError, KeyError) as exc:  # what the gguf reader and transformers raise for a file they cannot read
+            raise ModelNotFound(f"cannot serve GGUF file {model}: {exc}") from exc
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} has no config.json; is it a Hugging Face model folder?")

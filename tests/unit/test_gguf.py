@@ -31,6 +31,14 @@ def test_a_missing_gguf_file_is_named_as_such(tmp_path):
     assert "devmodel" not in str(raised.value)
 
 
+def test_a_file_that_is_no_gguf_is_refused_naming_it(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelNotFound, match="cannot serve GGUF file .*broken.gguf"):
+        resolve_model_dir(str(broken), tmp_path / "converted")
+    assert not any((tmp_path / "converted" / "gguf").glob("broken*"))
+
+
 def test_the_folder_is_named_by_the_files_bytes_not_its_place(smollm2_gguf, tmp_path):
     copy = tmp_path / smollm2_gguf.name
     shutil.copyfile(smollm2_gguf, copy)
