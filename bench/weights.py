@@ -42,6 +42,9 @@ def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
-    # int8 and int4: a byte or half a byte per weight and a float16 scale per 32.
+    # int8 and int4: a byte or half a byte per weight and a float16 scale per 32; int4's output layer is int8.
     element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1.0625, "int4": 0.5625}[dtype]
-    return {"parameters": total, "parameters_read_per_token": read, "bytes_per_token": read * element_bytes}
+    output = embedding if config.get("tie_word_embeddings") else element_counts.get("lm_head.weight", 0)
+    output_bytes = {"int4": 1.0625}.get(dtype, element_bytes)
+    return {"parameters": total, "parameters_read_per_token": read,
+            "bytes_per_token": (read - output) * element_bytes + output * output_bytes}
