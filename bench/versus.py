@@ -30,6 +30,7 @@ each kernel path's peak multiply-add rate. Results go to bench/results/<machine>
 """
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -73,16 +74,32 @@ def short(tag: str) -> list[dict]:
     return [{"role": "user", "content": f"({tag}) Explain in two sentences why the sky is blue."}]
 
 
-def measure(url: str, pids: list[int], reply_tokens: int, sizes: Sizes | None, long_prompts: dict[str, int]) -> dict:
-    """Run the scenarios against one server (its processes `pids`)."""
+def default_sampling(model_dir: Path) -> dict:
+    """Return the sampling a corechat client gets by default, the model's generation_config.json, as the
+    body fields llama-server takes (with its own min_p off, which corechat does not apply)."""
+    defaults = json.loads((model_dir / "generation_config.json").read_text())
+    if not defaults.get("do_sample"):
+        return {"temperature": 0}
+    return {"temperature": defaults.get("temperature", 1.0), "top_p": defaults.get("top_p", 1.0),
+            "top_k": defaults.get("top_k", 0), "repeat_penalty": defaults.get("repetition_penalty", 1.0), "min_p": 0}
+
+
+def measure(url: str, pids: list[int], reply_tokens: int, sizes: Sizes | None, long_prompts: dict[str, int],
+            sampling: dict | None) -> dict:
+    """Run the scenarios against one server (its processes `pids`); `sampling`: the body fields that make it
+    sample as corechat's defaults (None: corechat itself, which samples so when the request names nothing)."""
     tag = uuid.uuid4().hex[:8]
     warm = stream_chat(url, short("template check"), 8)
     singles = [stream_chat(url, short(f"{tag} {index}"), reply_tokens) for index in range(3)]
+    # What a client that names no sampling gets (Qwen2.5's generation_config samples), seeded alike.
+    sampled = [stream_chat(url, short(f"{tag} sampled {index}"), reply_tokens, extra={"seed": index, **(sampling or {})},
+                           greedy=False) for index in range(3)]
     figures = {"decode_tokens_per_second": statistics.median(run.decode_tokens_per_second for run in singles),
+               "sampled_decode_tokens_per_second": statistics.median(run.decode_tokens_per_second for run in sampled),
                "short_first_token_seconds": statistics.median(run.first_token_seconds for run in singles),
                # The same chat template and tokenizer make as many tokens of the same chat (a fixed one).
                "short_prompt_tokens": warm.prompt_tokens,
-               "errors": [run.error for run in (warm, *singles) if run.error]}
+               "errors": [run.error for run in (warm, *singles, *sampled) if run.error]}
     for streams in STREAM_COUNTS:
         results, wall = concurrent_streams(url, [short(f"{tag} x{streams} {index}") for index in range(streams)],
                                            reply_tokens)
@@ -151,11 +168,13 @@ def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conve
     reply_tokens = 8 if quick else REPLY_TOKENS
     long_prompts = {name: max(2, sentences // 10) for name, sentences in LONG_PROMPTS.items()} if quick else LONG_PROMPTS
     slots = Settings.model_fields["max_running"].default
+    sampling = default_sampling(model_dir)
     progress("machine: read bandwidth and peak multiply-add rates")
     results = {"machine_probes": probe_machine(quick), "rounds": [], "formats": formats, "isa": isa,
                "peer": {"name": peer.name, "version": peer.version,
                         "options": shown_command(list(peer.toolchain.server_options))},
                "weight_bytes_per_token": {fmt: weight_bytes_per_token(model_dir, fmt)["bytes_per_token"] for fmt in formats},
+               "default_sampling": sampling,
                "sizes": {"reply_tokens": reply_tokens, "stream_counts": list(STREAM_COUNTS), "slots": slots,
                          "conversations": vars(sizes)}}
     with tempfile.TemporaryDirectory(prefix="corechat-versus-") as scratch:
@@ -165,11 +184,13 @@ def run(rounds: int, formats: list[str], quick: bool, isa: str = "native", conve
             for fmt in formats:
                 talks = sizes if fmt == "int8" and conversations else None
                 servers = [("corechat", lambda: with_corechat(
-                               scratch, model_dir, lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts),
+                               scratch, model_dir,
+                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts, None),
                                dtype=fmt, **kernel)),
                            (peer.name, lambda: with_peer(
                                scratch, peer.toolchain, peer.files[PEER_QUANTIZATION[fmt]],
-                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts), slots))]
+                               lambda url, pids: measure(url, pids, reply_tokens, talks, long_prompts, sampling),
+                               slots))]
                 for name, start in servers if number % 2 == 0 else reversed(servers):
                     progress(f"round {number + 1} of {rounds}: {name} {fmt}")
                     figures[f"{name} {fmt}"] = start()
@@ -199,6 +220,7 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 METRICS = [  # name, key, unit, digits, higher is better
     ("decode, one stream", "decode_tokens_per_second", "tok/s", 1, True),
+    ("decode, one stream, default sampling", "sampled_decode_tokens_per_second", "tok/s", 1, True),
     ("aggregate, 4 streams", "aggregate_4_tokens_per_second", "tok/s", 1, True),
     ("aggregate, 8 streams", "aggregate_8_tokens_per_second", "tok/s", 1, True),
     ("first token, short chat", "short_first_token_seconds", "s", 3, False),
@@ -233,6 +255,8 @@ def render(name: str, results: dict) -> str:
                   f"| measurement | corechat {fmt} | {peer} {quantization} | corechat / {peer}, per round |",
                   "|---|---|---|---|"]
         for label, key, unit, digits, _ in METRICS:
+            if key not in rounds[0][f"corechat {fmt}"] and key != "pss_gigabytes":
+                continue  # a results file written before the metric existed
             mine = [value_of(figures[f"corechat {fmt}"], key) for figures in rounds]
             theirs = [value_of(figures[f"{peer} {fmt}"], key) for figures in rounds]
             ratios = ", ".join(f"{a / b:.2f}x" if b else "-" for a, b in zip(mine, theirs, strict=True))
@@ -242,6 +266,14 @@ def render(name: str, results: dict) -> str:
         lines += ["", f"corechat {fmt}'s one-stream decode reads {statistics.median(decode) / bound:.2f} of the read "
                   f"bandwidth (median; a step reads {results['weight_bytes_per_token'][fmt] / 1e9:.3f} GB of weights: "
                   f"{bound:.0f} tokens/s at the bandwidth)."]
+        if "sampled_decode_tokens_per_second" in rounds[0][f"corechat {fmt}"]:
+            costs = {server: statistics.median(figures[f"{server} {fmt}"]["decode_tokens_per_second"]
+                                               / figures[f"{server} {fmt}"]["sampled_decode_tokens_per_second"]
+                                               for figures in rounds) for server in ("corechat", peer)}
+            lines += ["", "Default sampling (" + ", ".join(f"{key} {value}" for key, value in
+                                                           results["default_sampling"].items())
+                      + ") against greedy, one stream's decode time (median over rounds): "
+                      + "; ".join(f"{server} {cost:.3f}x" for server, cost in costs.items()) + "."]
         tokens = {figures[f"{server} {fmt}"]["short_prompt_tokens"] for figures in rounds for server in ("corechat", peer)}
         lines += ["", f"Both made {tokens.pop()} prompt tokens of the short chat: the same template and tokenizer."
                   if len(tokens) == 1 else f"**The prompts differ** ({sorted(tokens)} tokens of the short chat): the "

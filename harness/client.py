@@ -63,11 +63,12 @@ class StreamResult:
 
 
 def stream_chat(base_url: str, messages: list[dict], max_tokens: int, timeout: float = 600,
-                extra: dict | None = None) -> StreamResult:
-    """Send one streamed, greedy chat completion (`extra`: more fields of its body); time it from the client."""
+                extra: dict | None = None, greedy: bool = True) -> StreamResult:
+    """Send one streamed chat completion, greedy unless told (then sampled as the server's defaults or
+    `extra` say; `extra`: more fields of its body); time it from the client."""
     host, port = base_url.removeprefix("http://").split(":")
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}, **(extra or {})})
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, **({"temperature": 0} if greedy else {}),
+                       "stream": True, "stream_options": {"include_usage": True}, **(extra or {})})
     result = StreamResult()
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     began = time.perf_counter()

@@ -2,12 +2,13 @@
 the client on llama-server's stream, and the side-by-side table."""
 
 import http.server
+import json
 import threading
 
 import pytest
 
 from bench.peer import cpu_flags_key, model_key, server_command, shown_command
-from bench.versus import render
+from bench.versus import default_sampling, render
 from harness import stream_chat
 
 # What llama-server (llama.cpp b1-0c1e570, vendored by llama-cpp-python 0.3.36) streamed for a
@@ -146,3 +147,23 @@ def test_a_native_build_on_a_cpu_with_amx_leaves_amx_out():
     assert not leaves_out_amx("native", without) and cmake_isa_options("native", without) == ISA_OPTIONS["native"]
     assert cmake_isa_options("avx2", with_amx) == ISA_OPTIONS["avx2"]
     assert all("-mno-amx-int8" in option for option in WITHOUT_AMX)
+
+
+def test_the_table_gives_what_default_sampling_costs_each_server_over_greedy(tmp_path):
+    """The sampled decode (the model's generation_config, sent to llama-server as its fields) beside greedy."""
+    rounds = []
+    for sampled_ours, sampled_theirs in ((45.0, 38.0), (46.0, 39.0)):
+        ours, theirs = figures(50.0, 1.0, 1_200_000_000, 41), figures(40.0, 2.0, 800_000_000, 41)
+        ours["sampled_decode_tokens_per_second"] = sampled_ours
+        theirs["sampled_decode_tokens_per_second"] = sampled_theirs
+        rounds.append({"corechat int8": ours, "llama.cpp int8": theirs})
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}))
+    sampling = default_sampling(tmp_path)
+    assert sampling == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repeat_penalty": 1.05, "min_p": 0}
+    table = render("test", int8_results(rounds, default_sampling=sampling))
+    row = "| decode, one stream, default sampling (tok/s) | 45.5 (45.0-46.0) | 38.5 (38.0-39.0) | 1.18x, 1.18x |"
+    assert row in table
+    assert "against greedy, one stream's decode time (median over rounds): corechat 1.099x; llama.cpp 1.039x." in table
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert default_sampling(tmp_path) == {"temperature": 0}
