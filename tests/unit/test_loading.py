@@ -145,7 +145,7 @@ def test_a_weight_files_hash_is_kept_until_the_file_changes(tiny_model_dir, tmp_
     the sidecar being used); a file whose mtime or bytes change is hashed again."""
     import hashlib
 
-    from service.engine.loading import HASH_SIDECAR_SUFFIX, file_sha256
+    from service.engine.hashing import HASH_SIDECAR_SUFFIX, file_sha256
 
     model = model_copy(tiny_model_dir, tmp_path / "model")
     weights = model / "model.safetensors"
