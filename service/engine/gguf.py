@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .hashing import file_sha256
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
@@ -44,8 +46,6 @@ def is_gguf_file(model: str) -> bool:
 
 def folder_for(gguf_path: Path, converted_dir: Path) -> Path:
     """Return the folder a GGUF file converts into: named by its stem and the SHA-256 of its bytes."""
-    from .loading import file_sha256
-
     digest = file_sha256(gguf_path, converted_dir / "hashes")
     return converted_dir / "gguf" / f"{gguf_path.stem}-{digest[:16]}-v{CONVERSION_VERSION}"
 
@@ -80,7 +80,8 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
             skeleton = AutoModelForCausalLM.from_config(config)
         # What the engine and llama.cpp's converter read the architecture from.
         config.architectures = [type(skeleton).__name__]
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        checkpoint = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+        tensors = checkpoint["tensors"]
         expected = {parameter for parameter, _ in skeleton.named_parameters()}
         if getattr(config, "tie_word_embeddings", False):
             expected.discard("lm_head.weight")
@@ -89,7 +90,7 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
             raise ValueError(f"{gguf_path} lacks tensors the {config.model_type} architecture needs: {missing[:5]}")
         config.save_pretrained(temporary)
         tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=name)
-        restore_splits(tokenizer, gguf_path)
+        restore_splits(tokenizer, checkpoint["tokenizer"].get("pre_tokenizer_type", ""))
         tokenizer.save_pretrained(temporary)
         GenerationConfig.from_model_config(config).save_pretrained(temporary)
         save_file({key: tensor.to(torch.float32).contiguous() for key, tensor in tensors.items()},
@@ -103,13 +104,11 @@ def write_folder(gguf_path: Path, folder: Path) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def restore_splits(tokenizer, gguf_path: Path) -> None:
+def restore_splits(tokenizer, pre_tokenizer_type: str) -> None:
     """Put back the splits before the byte-level step that the file's pre-tokenizer name stands for."""
-    import gguf
     from tokenizers import pre_tokenizers
 
-    field = gguf.GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
-    splits = SPLITS_BEFORE_BYTES.get(field.contents() if field is not None else "", ())
+    splits = SPLITS_BEFORE_BYTES.get(pre_tokenizer_type, ())
     if splits:
         backend = tokenizer.backend_tokenizer
         backend.pre_tokenizer = pre_tokenizers.Sequence(
