@@ -178,6 +178,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tile_int8(stored), tile_scales(scales)
 
 
+def int4_steps(groups: torch.Tensor, extreme: torch.Tensor, extreme_level: int) -> tuple[torch.Tensor, ...]:
+    """Round groups [rows, blocks, 32] to -8..7 steps of the float16 scale that puts each group's extreme
+    weight at `extreme_level`; return the scales, the levels and each group's squared error."""
+    scales = (extreme / extreme_level).to(torch.float16)
+    stored_scales = scales.float()
+    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
+    levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
+    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    return scales, levels, (levels * stored_scales[:, :, None] - groups).square().sum(dim=2)
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
 
@@ -191,20 +202,11 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_width(INT4, inputs)
     groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
     extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    scales, levels, error = None, None, None
-    for extreme_level in (-8, 7):
-        trial_scales = (extreme / extreme_level).to(torch.float16)
-        stored_scales = trial_scales.float()
-        safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-        trial_levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
-        trial_levels = torch.where(stored_scales[:, :, None] != 0, trial_levels, torch.zeros_like(trial_levels))
-        trial_error = (trial_levels * stored_scales[:, :, None] - groups).square().sum(dim=2)
-        if scales is None:
-            scales, levels, error = trial_scales, trial_levels, trial_error
-        else:
-            better = trial_error < error
-            scales = torch.where(better, trial_scales, scales)
-            levels = torch.where(better[:, :, None], trial_levels, levels)
+    (scales, levels, error), (other_scales, other_levels, other_error) = (
+        int4_steps(groups, extreme, extreme_level) for extreme_level in (-8, 7))
+    better = other_error < error
+    scales = torch.where(better, other_scales, scales)
+    levels = torch.where(better[:, :, None], other_levels, levels)
     nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT4_OFFSET)
     rows = nibbles.shape[0]
     # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
