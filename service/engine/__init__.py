@@ -22,7 +22,16 @@ if TYPE_CHECKING:
         Started,
         TextDelta,
     )
-    from .grammar import GrammarRefused, json_schema_grammar, text_or_tool_call_grammar, tool_call_grammar
+    from .grammar import (
+        GrammarRefused,
+        choice_grammar,
+        gbnf_grammar,
+        json_schema_grammar,
+        lark_grammar,
+        regex_grammar,
+        text_or_tool_call_grammar,
+        tool_call_grammar,
+    )
     from .loading import ModelNotFound
     from .sampling import SamplingParams, choice_seed
     from .template import TemplateRefused
@@ -49,8 +58,12 @@ _EXPORTS = {
     "TemplateRefused": ".template",
     "TextDelta": ".events",
     "TokenLogprob": ".text",
+    "choice_grammar": ".grammar",
     "choice_seed": ".sampling",
+    "gbnf_grammar": ".grammar",
     "json_schema_grammar": ".grammar",
+    "lark_grammar": ".grammar",
+    "regex_grammar": ".grammar",
     "text_or_tool_call_grammar": ".grammar",
     "tool_call_grammar": ".grammar",
 }

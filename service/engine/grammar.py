@@ -16,6 +16,7 @@ import numpy
 import torch
 from llguidance import LLMatcher, LLTokenizer
 from llguidance._tokenizer import TokenizerWrapper
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .text import byte_level_alphabet
 
@@ -47,6 +48,31 @@ def json_schema_grammar(schema: dict) -> str:
     except ValueError as exc:
         raise GrammarRefused(str(exc)) from None
     return check_grammar(grammar)
+
+
+def regex_grammar(regex: str) -> str:
+    """Return the grammar of a text the whole of which `regex` (Rust's regex syntax) matches."""
+    return check_grammar(LLMatcher.grammar_from_regex(regex))
+
+
+def lark_grammar(lark: str) -> str:
+    """Return the grammar of a Lark grammar as llguidance writes them (its `start` rule)."""
+    return check_grammar(LLMatcher.grammar_from_lark(lark))
+
+
+def gbnf_grammar(gbnf: str) -> str:
+    """Return the grammar of a GBNF grammar, llama.cpp's (its `root` rule), by llguidance's own converter."""
+    try:
+        lark = gbnf_to_lark(gbnf)
+    except Exception as exc:  # the converter raises bare Exception for a missing rule, GbnfToLarkError for syntax
+        raise GrammarRefused(f"not a GBNF grammar: {exc}") from None
+    return lark_grammar(lark)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Return the grammar of a text that is exactly one of `choices`."""
+    # A JSON string is a Lark string literal to llguidance, escapes included.
+    return lark_grammar("start: " + " | ".join(json.dumps(choice) for choice in choices))
 
 
 def _call_schema(functions: list[tuple[str, dict]]) -> dict:
