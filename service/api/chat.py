@@ -18,24 +18,20 @@ from ..engine import (
     Generation,
     GrammarRefused,
     KvScope,
-    SamplingParams,
     TemplateRefused,
     TextDelta,
     TokenLogprob,
-    json_schema_grammar,
-    text_or_tool_call_grammar,
-    tool_call_grammar,
 )
-from ..errors import ContextLengthExceeded, InternalError, InvalidRequest
-from ..settings import Settings
+from ..errors import InternalError, InvalidRequest
 from .chat_parts import CalledFunction
-from .chat_request import ChatCompletionRequest, SamplingFields
+from .chat_request import ChatCompletionRequest
+from .constraints import Constraint, chat_constraint, refused_when_compiled
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .responses import AssistantMessage, ChatCompletion, Choice
+from .sampling_params import SamplingResolver
 from .serving import (
-    ChatEngine,
     PreparedReply,
     check_choices,
     choice_params,
@@ -56,6 +52,8 @@ class PreparedChat(PreparedReply):
     """A chat request checked against the model: its prompt's token ids and how to sample."""
 
     request: ChatCompletionRequest
+    # The grammar the reply follows and the field that asked for it, or None for free text.
+    constraint: Constraint | None
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
@@ -72,12 +70,8 @@ def render_logprob(entry: TokenLogprob) -> dict:
     }
 
 
-class ChatCompletions:
+class ChatCompletions(SamplingResolver):
     """Prepare, run and render chat completions for one worker's engine."""
-
-    def __init__(self, engine: ChatEngine, settings: Settings):
-        self.engine = engine
-        self.settings = settings
 
     @property
     def model_name(self) -> str:
@@ -95,17 +89,19 @@ class ChatCompletions:
         if tools and not self.engine.template.supports_tools:
             raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",
                                  param="tools")
-        grammar = self._grammar(request)
+        constraint = chat_constraint(request, self.engine.template)
         try:
             prompt_ids = self.engine.template.encode_chat(messages, tools)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
+        grammar = constraint.grammar if constraint is not None else None
         params = self.sampling_params(request, len(prompt_ids), grammar, logprobs=bool(request.logprobs),
                                       top_logprobs=request.top_logprobs or 0)
         check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
         return PreparedChat(
             request=request,
+            constraint=constraint,
             prompt_ids=prompt_ids,
             choice_params=choice_params(params, request.choice_count),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -113,137 +109,13 @@ class ChatCompletions:
             model_name=model_name,
         )
 
-    def _grammar(self, request: ChatCompletionRequest) -> str | None:
-        """Return the grammar the reply must follow (a forced tool call, strict tools' calls under
-        `auto`, or response_format), or None."""
-        if request.strict_tools_under_auto:
-            return self._strict_auto_grammar(request)
-        if request.forced_tools:
-            functions = [(tool.function.name, tool.function.arguments_schema) for tool in request.forced_tools]
-            # A named tool_choice asks for that one call, and the reply ends after it, as OpenAI's does.
-            parallel = request.parallel_tool_calls is not False and request.effective_tool_choice == "required"
-            try:
-                return tool_call_grammar(functions, parallel=parallel)
-            except GrammarRefused as exc:
-                raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
-                                     param="tools") from None
-        if request.json_schema is not None:
-            try:
-                return json_schema_grammar(request.json_schema)
-            except GrammarRefused as exc:
-                raise InvalidRequest(f"invalid 'response_format': the schema cannot be enforced: {exc}",
-                                     param="response_format") from None
-        return None
-
-    def _strict_auto_grammar(self, request: ChatCompletionRequest) -> str:
-        """Return the grammar of text or tool calls in which every strict tool's arguments follow its schema."""
-        if request.json_schema is not None:
-            raise InvalidRequest("'response_format' cannot be combined with strict tools under tool_choice 'auto'",
-                                 param="response_format")
-        markers = self.engine.template.tool_call_marker_ids
-        if markers is None:
-            raise InvalidRequest("strict tools cannot be enforced: the model's tokenizer has no tool-call tokens",
-                                 param="tools")
-        functions = [
-            (tool.function.name, tool.function.arguments_schema if tool.function.strict else {"type": "object"})
-            for tool in request.tools_offered
-        ]
-        try:
-            return text_or_tool_call_grammar(functions, request.parallel_tool_calls is not False, markers)
-        except GrammarRefused as exc:
-            raise InvalidRequest(f"invalid 'tools': their parameters cannot be enforced: {exc}",
-                                 param="tools") from None
-
-    def sampling_params(self, request: SamplingFields, prompt_tokens: int, grammar: str | None, *, logprobs: bool,
-                        top_logprobs: int, prompt_logprobs: int | None = None,
-                        prompt_param: str = "messages") -> SamplingParams:
-        """Fill omitted parameters from the model's generation config and check the lengths (chat's and legacy
-        completions' alike; `prompt_param` names the field a prompt too long for the context blames)."""
-        limit, limit_name = self.token_limit()
-        room = limit - prompt_tokens
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply in {limit_name}",
-                param=prompt_param,
-            )
-        asked = request.requested_max_tokens
-        param = request.max_tokens_param
-        if asked is not None and asked > self.settings.max_tokens_limit:
-            raise InvalidRequest(
-                f"{param} is {asked}, above this server's limit of {self.settings.max_tokens_limit}",
-                param=param,
-            )
-        if asked is not None and asked > room:
-            raise ContextLengthExceeded(
-                f"the prompt has {prompt_tokens} tokens and {param} is {asked}: {prompt_tokens + asked} "
-                f"tokens do not fit {limit_name}",
-                param=param,
-            )
-        temperature = self._or_model_default(request.temperature, "temperature", 1.0)
-        top_p = self._or_model_default(request.top_p, "top_p", 1.0)
-        top_k = self._or_model_default(request.top_k, "top_k", 0)
-        return SamplingParams(
-            max_tokens=asked if asked is not None else min(self.settings.default_max_tokens, room),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=max(top_k, 0),
-            seed=request.seed,
-            stop=request.stop_strings,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=self._repetition_penalty(request),
-            grammar=grammar,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            logit_bias=self._logit_bias(request),
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    def _logit_bias(self, request: SamplingFields) -> tuple[tuple[int, float], ...]:
-        """Return the request's logit_bias pairs, refusing an id the tokenizer does not have."""
-        vocab_size = self.engine.template.vocab_size
-        for token_id in map(int, request.logit_bias or {}):
-            if token_id >= vocab_size:
-                raise InvalidRequest(f"invalid 'logit_bias': {token_id} is not a token id of this model (its ids run "
-                                     f"from 0 to {vocab_size - 1})", param="logit_bias")
-        return request.token_biases
-
-    def _repetition_penalty(self, request: SamplingFields) -> float:
-        """Return the request's repetition_penalty, else the model's generation config's (applied greedy or not, as
-        transformers and vLLM apply it), else 1 (none)."""
-        if request.repetition_penalty is not None:
-            return request.repetition_penalty
-        configured = getattr(self.engine.generation_defaults, "repetition_penalty", None)
-        return float(configured) if configured is not None else 1.0
-
-    def token_limit(self) -> tuple[int, str]:
-        """Return the most tokens one sequence may hold, prompt and reply, and what sets that limit.
-
-        The model's context, unless the worker's KV budget (KV_CACHE_MB) is smaller: a request
-        beyond it could never start, so it is refused instead of queued for ever.
-        """
-        context = self.engine.context_length or self.settings.max_model_len or 32768
-        budget = self.engine.kv_token_budget
-        if budget and budget < context:
-            return budget, f"this server's KV cache budget of {budget} tokens per worker (KV_CACHE_MB)"
-        return context, f"the model's context of {context} tokens"
-
-    def _or_model_default(self, asked, name: str, openai_default):
-        """Return a sampling value the request gave, else the model's generation config's, else OpenAI's."""
-        if asked is not None:
-            return asked
-        defaults = self.engine.generation_defaults
-        configured = getattr(defaults, name, None) if getattr(defaults, "do_sample", False) else None
-        return openai_default if configured is None else type(openai_default)(configured)
-
     def start(self, prepared: PreparedChat, forced_ids: tuple[int, ...] = (),
               kv_scope: KvScope = KvScope()) -> Generation | ChoiceGroup:
         """Queue the generation (continuing `forced_ids`, a reply's first tokens), or raise 503."""
         try:
             return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids, kv_scope)
         except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
-            param = "tools" if prepared.request.forced_tools else "response_format"
-            raise InvalidRequest(f"invalid '{param}': it cannot be enforced: {exc}", param=param) from None
+            raise refused_when_compiled(prepared.constraint, exc) from None
 
     # Rendering -----------------------------------------------------------------------------
     # A stream's chunks are built as plain data and framed by json.dumps: per token, that costs about

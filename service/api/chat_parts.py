@@ -1,9 +1,9 @@
 """The parts of a chat request that are objects of their own: messages (text parts, tool calls), tool and
-function definitions and choices, response formats and stream options, on one strict base model."""
+function definitions and choices, response formats, grammar fields and stream options, on one strict base model."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from . import nesting
 
@@ -150,4 +150,55 @@ class StreamOptions(StrictModel):
 
     include_usage: bool = False
 
+
+STRUCTURED_OUTPUT_KEYS = ("choice", "regex", "grammar", "json")
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs`: exactly one of a list of choices, a regex, a Lark grammar or a JSON schema."""
+
+    choice: list[str] | None = Field(None, min_length=1, description="The reply is exactly one of these strings.")
+    regex: str | None = Field(None, description="The whole reply matches this regular expression (Rust's `regex` "
+                              "syntax, as llguidance takes it: no look-around, no backreferences).")
+    grammar: str | None = Field(None, description="The reply follows this Lark grammar, as llguidance takes it (its "
+                                "`start` rule).")
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="The reply is JSON following this "
+                                               "schema (an object, or its JSON text).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, value):
+        """Refuse keys this server does not enforce (vLLM's others among them), naming them, instead of
+        ignoring a constraint the client expects to hold."""
+        if isinstance(value, dict):
+            unknown = sorted(key for key in value if key not in STRUCTURED_OUTPUT_KEYS)
+            if unknown:
+                raise ValueError(f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                                 f"supported; give exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        """Refuse none or several constraints: a reply follows one grammar."""
+        given = self.given
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}"
+                             + (f"; this request gives {' and '.join(given)}" if given else ""))
+        return self
+
+    @property
+    def given(self) -> list[str]:
+        """Return the keys given (not null), by their wire names."""
+        values = {"choice": self.choice, "regex": self.regex, "grammar": self.grammar, "json": self.json_}
+        return [key for key, value in values.items() if value is not None]
+
+
+class GrammarFields(StrictModel):
+    """The fields that constrain a reply by a grammar, on chat and legacy completions alike."""
+
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "vLLM's field: exactly one of `choice`, `regex`, `grammar` (Lark) or `json` (a schema), enforced by "
+        "constrained decoding."))
+    grammar: str | None = Field(None, description="llama.cpp's field: a GBNF grammar (its `root` rule) the reply "
+                                "follows, enforced by constrained decoding.")
 

@@ -11,6 +11,7 @@ from .chat_parts import (
     ChatMessage,
     FunctionChoice,
     FunctionDefinition,
+    GrammarFields,
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedToolChoice,
@@ -108,7 +109,7 @@ class SamplingFields(StrictModel):
         raise NotImplementedError
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GrammarFields):
     """A `POST /v1/chat/completions` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)

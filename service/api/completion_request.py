@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import Field
 
 from ..errors import InvalidRequest
-from .chat_parts import StreamOptions
+from .chat_parts import GrammarFields, StreamOptions
 from .chat_request import INT64, MAX_CHOICES, SamplingFields, parse_body
 
 # OpenAI's bound of the legacy `logprobs`: the most likely alternatives reported at each position.
@@ -17,7 +17,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 TokenId = Annotated[int, Field(ge=0, le=INT64)]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GrammarFields):
     """A `POST /v1/completions` body: one prompt, as text or as token ids, continued as it is (no chat template)."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(

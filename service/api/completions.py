@@ -15,6 +15,7 @@ from ..engine import (
     Failed,
     Finished,
     Generation,
+    GrammarRefused,
     KvScope,
     PromptLogprobs,
     TextDelta,
@@ -23,6 +24,7 @@ from ..engine import (
 from ..errors import InternalError, InvalidRequest
 from .chat import ChatCompletions
 from .completion_request import CompletionRequest
+from .constraints import Constraint, grammar_field_constraint, refused_when_compiled
 from .limits import check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
 from .responses import Completion, CompletionChoice, CompletionLogprobs
@@ -47,6 +49,8 @@ class PreparedCompletion(PreparedReply):
     """A legacy completion checked against the model: its prompt's token ids and text, and how to sample."""
 
     request: CompletionRequest
+    # The grammar the completion follows and the field that asked for it, or None for free text.
+    constraint: Constraint | None
     # What `echo` begins the text with: the prompt as sent, or its token ids' text.
     prompt_text: str
 
@@ -117,12 +121,15 @@ class TextCompletions:
             self._check_token_ids(prompt)
             prompt_ids, prompt_text = list(prompt), template.decode(prompt)
         check_prompt_tokens(len(prompt_ids), self.settings, param="prompt")
+        constraint = grammar_field_constraint(request)
         logprobs = request.logprobs
         params = self.chat.sampling_params(
-            request, len(prompt_ids), None, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+            request, len(prompt_ids), constraint.grammar if constraint is not None else None,
+            logprobs=logprobs is not None, top_logprobs=logprobs or 0,
             prompt_logprobs=logprobs if request.echo and logprobs is not None else None, prompt_param="prompt")
-        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params)
-        return PreparedCompletion(request=request, prompt_ids=prompt_ids, prompt_text=prompt_text,
+        check_choices(self.settings, self.engine, request.choice_count, len(prompt_ids), params, prompt_param="prompt")
+        return PreparedCompletion(request=request, constraint=constraint, prompt_ids=prompt_ids,
+                                  prompt_text=prompt_text,
                                   choice_params=choice_params(params, request.choice_count),
                                   completion_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                   model_name=model_name)
@@ -138,7 +145,10 @@ class TextCompletions:
     def start(self, prepared: PreparedCompletion, forced_ids: tuple[int, ...] = (),
               kv_scope: KvScope = KvScope()) -> Generation | ChoiceGroup:
         """Queue the generation or its choices (continuing `forced_ids`, a reply's first tokens), or raise 503."""
-        return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids, kv_scope)
+        try:
+            return submit(self.engine, prepared.prompt_ids, prepared.choice_params, forced_ids, kv_scope)
+        except GrammarRefused as exc:  # checked in prepare(); compiling against the vocabulary can still refuse
+            raise refused_when_compiled(prepared.constraint, exc) from None
 
     # Rendering -----------------------------------------------------------------------------
     # Chunks are plain data framed by json.dumps, as chat's are; tests/e2e/test_completions.py validates them

@@ -189,17 +189,21 @@ def choice_params(params: SamplingParams, count: int) -> tuple[SamplingParams, .
 
 
 def check_choices(settings: Settings, engine: ChatEngine, count: int, prompt_tokens: int,
-                  params: SamplingParams) -> None:
-    """Refuse more choices than can run at once, or than the worker's KV budget holds together."""
+                  params: SamplingParams, prompt_param: str = "messages") -> None:
+    """Refuse more choices than can run at once, or than the worker's KV budget holds together (`prompt_param`,
+    "messages" or "prompt", names the prompt in the message)."""
     if count > settings.max_running:
         raise InvalidRequest(f"'n' is {count}, above this server's {settings.max_running} running places "
                              "(MAX_RUNNING): a request's choices decode together", param="n")
     budget = engine.kv_token_budget
     needed = count * (prompt_tokens + params.max_tokens)
     if count > 1 and budget and needed > budget:
-        raise ContextLengthExceeded(f"{count} choices of {prompt_tokens} prompt tokens and {params.max_tokens} "
-                                    f"completion tokens need {needed} tokens of KV cache, above this server's budget "
-                                    f"of {budget} tokens per worker (KV_CACHE_MB)", param="n")
+        # Each choice is a sequence of its own in the KV cache; OpenAI's words, so a client reads it as the others.
+        raise ContextLengthExceeded(
+            f"This server's KV cache holds {budget} tokens per worker (KV_CACHE_MB), which {count} choices share. "
+            f"However, you requested {needed} tokens ({count} choices of {prompt_tokens} in the {prompt_param} and "
+            f"{params.max_tokens} in the completion). Please reduce n or the length of the {prompt_param} or "
+            "completion.", param="n")
 
 
 def submit(engine: ChatEngine, prompt_ids: list[int], choices: tuple[SamplingParams, ...],
