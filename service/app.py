@@ -12,11 +12,13 @@ from .api import auth, limits, openapi, routes, ui
 from .api.chat import ChatCompletions
 from .api.completions import TextCompletions
 from .api.corechat import Corechat
+from .api.responses_api.serving import ResponsesServing
 from .api.serving import ChatEngine
 from .api.tokenizing import Tokenization
 from .cache import ResponseCache
 from .cache import init_app as init_cache
 from .cache.kvshare import RedisPrefixes
+from .cache.stored_responses import StoredResponses
 from .engine import Engine
 from .observability import metrics
 from .settings import Settings, get_settings
@@ -49,8 +51,10 @@ def configure_logging(settings: Settings) -> None:
 
 
 def register_core(app: Flask, settings: Settings, engine: ChatEngine) -> None:
-    """Attach the engine and the serving classes built around it to the app."""
+    """Attach the engine and the serving classes built around it to the app (the response store's Redis client
+    here, so each forked worker has its own pool)."""
     chat = ChatCompletions(engine, settings)
+    responses = ResponsesServing(chat, StoredResponses.from_settings(settings))
     core = Corechat(settings=settings, engine=engine, chat=chat, completions=TextCompletions(chat),
-                    tokens=Tokenization(chat))
+                    tokens=Tokenization(chat), responses=responses)
     core.init_app(app)

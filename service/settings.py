@@ -180,6 +180,11 @@ class Settings(BaseSettings):
     cache_error_log_seconds: float = Field(
         60.0, gt=0, description="Log Redis failures at most once per this interval."
     )
+    responses_store_ttl_seconds: int = Field(
+        30 * 86400, ge=1, description="How long a response kept by `store` (POST /v1/responses) stays in REDIS_URL's "
+        "Redis for GET /v1/responses/{id} and previous_response_id, as OpenAI keeps them (30 days). Without "
+        "REDIS_URL nothing is kept: `store` defaults to false and `store: true` is a 400 (docs/api.md)."
+    )
 
     # Metrics
     prometheus_multiproc_dir: str = Field(

@@ -15,6 +15,7 @@ from ..settings import Settings
 if TYPE_CHECKING:
     from .chat import ChatCompletions
     from .completions import TextCompletions
+    from .responses_api.serving import ResponsesServing
     from .serving import ChatEngine
     from .tokenizing import Tokenization
 
@@ -31,6 +32,7 @@ class Corechat:
     chat: "ChatCompletions"
     completions: "TextCompletions"
     tokens: "Tokenization"
+    responses: "ResponsesServing"
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def init_app(self, app: Flask) -> None:

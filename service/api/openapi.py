@@ -14,6 +14,8 @@ from pydantic.json_schema import models_json_schema
 from .chat_request import ChatCompletionRequest
 from .completion_request import CompletionRequest
 from .responses import RESPONSE_MODELS
+from .responses_api.objects import RESPONSES_API_MODELS
+from .responses_api.request import ResponsesRequest
 from .tokenize_request import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("openapi", __name__)
@@ -77,6 +79,17 @@ def _paths() -> dict:
             _streamed("The whole completion, or with `stream: true` a Server-Sent Events stream of CompletionChunk "
                       "`data:` events ending with `data: [DONE]`.", "Completion", "CompletionChunk"),
         ),
+        "/v1/responses": _post(
+            "Create a response (OpenAI's Responses API), streamed or whole.", "ResponsesRequest",
+            _streamed("The whole response, or with `stream: true` a Server-Sent Events stream of ResponseStreamEvent "
+                      "events, each an `event: <type>` line and a `data:` line, ending with `response.completed`, "
+                      "`response.incomplete` or `response.failed`.", "ResponseObject", "ResponseStreamEvent"),
+        ),
+        "/v1/responses/{response_id}": {
+            **_get("Return a response stored by the same API key; any other id is a 404.",
+                   _json("ResponseObject", "The stored response.")),
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        },
         "/tokenize": _post(
             "Turn text (`content` or `prompt`) or a conversation (`messages`, through the chat template) into "
             "token ids.",
@@ -119,8 +132,9 @@ def _paths() -> dict:
 def openapi_document() -> dict:
     """Build the OpenAPI document (once per process)."""
     # Responses in serialization mode: a field with a default is optional, as rendering leaves it out when unset.
-    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
-    models = [*((model, "validation") for model in requests), *((model, "serialization") for model in RESPONSE_MODELS)]
+    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest)
+    responses = (*RESPONSE_MODELS, *RESPONSES_API_MODELS)
+    models = [*((model, "validation") for model in requests), *((model, "serialization") for model in responses)]
     _, schemas = models_json_schema(models, ref_template=REF)
     return {
         "openapi": "3.1.0",

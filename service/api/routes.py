@@ -20,6 +20,8 @@ from .disconnect import WatchedSource
 from .limits import read_request_body
 from .naming import resolve_model_name
 from .responses import Health, Model, ModelList, Readiness
+from .responses_api.request import check_retrieve_query, parse_responses_request
+from .responses_api.serving import ResponsesCall
 from .serving import ChatEngine, PreparedReply
 from .sse import SSE_HEADERS
 
@@ -106,6 +108,20 @@ def create_chat_completion():
 def create_completion():
     """Continue a raw prompt (legacy text completions), streamed as SSE or returned whole."""
     return serve_generation(current_corechat().completions, parse_completion_request(read_json_body()))
+
+
+@bp.post("/v1/responses")
+def create_response():
+    """Create a response (OpenAI's Responses API), streamed as typed SSE events or returned whole."""
+    call = ResponsesCall(parse_responses_request(read_json_body()), owner=caller_key_hash())
+    return serve_generation(current_corechat().responses, call)
+
+
+@bp.get("/v1/responses/<response_id>")
+def get_response(response_id: str):
+    """Return a response the caller's API key stored; any other id (another key's too) is a 404."""
+    check_retrieve_query(request.args)
+    return jsonify(current_corechat().responses.retrieve(caller_key_hash(), response_id).model_dump())
 
 
 @bp.post("/tokenize")

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "corechat_cache"
 OPT_OUT_DIRECTIVES = {"no-cache", "no-store"}
 # The routes whose replies the cache serves: each response says what the cache did.
-CACHED_PATHS = ("/v1/chat/completions", "/v1/completions")
+CACHED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def cache_directives(cache_control: str) -> set[str]:

@@ -37,8 +37,8 @@ bp = Blueprint("metrics", __name__)
 # Where the app keeps PROMETHEUS_MULTIPROC_DIR for `/metrics` to read.
 MULTIPROC_DIR_CONFIG = "CORECHAT_PROMETHEUS_MULTIPROC_DIR"
 
-# Chat and legacy completions count in the same series: one engine serves both.
-GENERATION_ENDPOINTS = ("api.create_chat_completion", "api.create_completion")
+# Chat, legacy completions and responses count in the same series: one engine serves them all.
+GENERATION_ENDPOINTS = ("api.create_chat_completion", "api.create_completion", "api.create_response")
 
 # From a cache hit (milliseconds) to a long reply on a busy CPU (minutes).
 LATENCY_BUCKETS = (
