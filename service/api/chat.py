@@ -23,7 +23,7 @@ from ..engine import (
     TokenLogprob,
 )
 from ..errors import InternalError, InvalidRequest
-from .chat_parts import CalledFunction
+from .chat_parts import CalledFunction, NamedToolChoice
 from .chat_request import ChatCompletionRequest
 from .constraints import Constraint, chat_constraint, refused_when_compiled
 from .legacy_functions import as_tools_request, function_call_delta
@@ -211,9 +211,13 @@ class ChatCompletions(SamplingResolver):
     @staticmethod
     def _finish_reason(prepared: PreparedChat, finished: Finished, parser: ToolCallParser | None) -> str:
         """Return OpenAI's finish reason: `tool_calls` (legacy: `function_call`) when a reply that ended by itself
-        called tools."""
+        called tools, but `stop` after the call a named tool_choice forced, as OpenAI ends that one."""
         if parser is not None and parser.calls and finished.finish_reason == "stop":
-            return "function_call" if prepared.request.legacy_functions else "tool_calls"
+            if prepared.request.legacy_functions:
+                return "function_call"
+            if isinstance(prepared.request.effective_tool_choice, NamedToolChoice):
+                return "stop"
+            return "tool_calls"
         return finished.finish_reason
 
     def complete(self, prepared: PreparedChat, source: EventSource) -> ChatCompletion:

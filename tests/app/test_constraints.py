@@ -1,5 +1,5 @@
-"""Grammars as request fields (vLLM's `structured_outputs`, llama.cpp's `grammar`), through Flask's test client
-on the tiny random-weight model.
+"""Grammars as request fields (vLLM's `structured_outputs`, llama.cpp's `grammar`) and the named tool_choice's
+one call, through Flask's test client on the tiny random-weight model.
 
 The model writes arbitrary tokens, so a reply that matches its constraint shows the constraint was enforced:
 each test checks the text itself (a regex fullmatch, choice membership, a schema validation).
@@ -185,3 +185,41 @@ def test_text_format_and_non_strict_auto_tools_leave_room_for_a_grammar(client):
     for extra in ({"response_format": {"type": "text"}}, {"tools": [tool]}):
         text = whole_text(chat(client, structured_outputs={"regex": "[0-9]{3}"}, seed=1, temperature=1.0, **extra))
         assert re.fullmatch("[0-9]{3}", text), text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+OTHER = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_makes_one_call_and_finishes_with_stop_as_openai(client):
+    for seed in SEEDS:
+        reply = chat(client, tools=[WEATHER, OTHER], tool_choice=FORCE_WEATHER, seed=seed, temperature=1.0,
+                     max_tokens=50).get_json()
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+        # The reply ended after its one call, with room left for more.
+        assert reply["usage"]["completion_tokens"] < 50
+
+
+def test_a_streamed_named_tool_choice_sends_one_call_then_stop(client):
+    response = chat(client, tools=[WEATHER, OTHER], tool_choice=FORCE_WEATHER, seed=2, temperature=1.0,
+                    max_tokens=50, stream=True)
+    payloads = sse_payloads(response.get_data(as_text=True))
+    assert payloads[-1] == DONE
+    deltas = [delta for payload in payloads[:-1] for delta in payload["choices"][0]["delta"].get("tool_calls", [])]
+    assert {delta["index"] for delta in deltas} == {0}
+    assert [delta["function"]["name"] for delta in deltas if "id" in delta] == ["get_weather"]
+    assert payloads[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_choice_required_still_finishes_with_tool_calls(client):
+    reply = chat(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, seed=1,
+                 temperature=1.0, max_tokens=50).get_json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
