@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
 # a file written by another version is never read as this one's.
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -60,13 +60,13 @@ class WeightFormat:
     width_multiple: int
 
 
-INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per group of 32", GROUP)
+INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP)
 INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP)
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
-ACTIVATIONS = "activations rounded to int8 per block of 32"
+ACTIVATIONS = "activations rounded to int8 per block of 32 (rotated as the weights are)"
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
 LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
-          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code}
+          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code, "int8_rotated": 1}
 
 
 class LayoutMismatch(RuntimeError):
@@ -156,14 +156,35 @@ def check_width(fmt: WeightFormat, inputs: int) -> None:
         raise ValueError(f"{fmt.name} needs input widths that are multiples of {fmt.width_multiple}, not {inputs}")
 
 
+def hadamard() -> torch.Tensor:
+    """Return the orthonormal 32 x 32 Hadamard matrix in Sylvester's order: symmetric, its own inverse."""
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < GROUP:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+    return matrix / GROUP**0.5
+
+
+def rotate_groups(matrix: torch.Tensor) -> torch.Tensor:
+    """Multiply each group of 32 along the last dimension by the Hadamard matrix (float64 products, the
+    matrix's dtype kept); applied twice it gives the matrix back."""
+    groups = matrix.double().reshape(*matrix.shape[:-1], -1, GROUP)
+    return (groups @ hadamard()).reshape(matrix.shape).to(matrix.dtype)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix symmetrically per group of 32 inputs of a row, as llama.cpp's q8_0 does: weights
-    -127..127 stored + 128 as bytes, and a float16 scale per group (its largest magnitude / 127), padded
-    and laid out as the kernel reads them. The rounding uses the float16 scale that is stored.
+    """Quantize a matrix symmetrically per group of 32 inputs of a row, as llama.cpp's q8_0 does, after
+    rotating each group by the Hadamard matrix (the kernels rotate each activation block the same
+    way, kernels.h, so the product is the same): weights -127..127 stored + 128 as bytes, and a float16
+    scale per group (its largest magnitude / 127), padded and laid out as the kernel reads them. The
+    rounding uses the float16 scale that is stored.
+
+    The rotation spreads an outlier over its group, so the group's other weights, and above all the
+    activations, which are rounded per block at run time, keep finer steps
+    (bench/probes/rounding.py measures it on the real model).
     """
     outputs, inputs = weight.shape
     check_width(INT8, inputs)
-    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
+    groups = rotate_groups(weight.float()).reshape(outputs, inputs // GROUP, GROUP)
     # A group whose largest magnitude is under 127 x 2^-14 gets a subnormal float16 scale, with fewer
     # significant bits. Left as it is: the error that adds is at most 127 x 2^-25 per weight, below
     # half the step of any group with a normal scale, so it only shows in a matrix whose weights are
@@ -217,7 +238,8 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
-    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for."""
+    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for (int8's groups
+    rotated back)."""
     rows = weight.shape[0]
     if fmt is INT8:
         levels = untile_int8(weight).float() - INT8_OFFSET
@@ -227,8 +249,8 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
         halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
         levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float() - INT4_OFFSET
     inputs = levels.shape[1]
-    restored = levels.reshape(rows, inputs // GROUP, GROUP) * untile_scales(scales)[:, :, None]
-    return restored.reshape(rows, inputs)[:outputs]
+    restored = (levels.reshape(rows, inputs // GROUP, GROUP) * untile_scales(scales)[:, :, None]).reshape(rows, inputs)
+    return (rotate_groups(restored) if fmt is INT8 else restored)[:outputs]
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}

@@ -21,7 +21,7 @@ import torch
 
 from harness import cpu_ticks_by_thread
 from service.engine import kernels
-from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8
+from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8, rotate_groups
 from service.settings import Settings
 from tests.support import torch_threads
 from tests.unit.kernel_misuse import CASES as MISUSE_CASES
@@ -65,16 +65,44 @@ def product(fmt, inputs, weight, scales, outputs, bias=None, float32_output=True
                                                kernels.PATHS[path])
 
 
-def expected_product(fmt, inputs: torch.Tensor, weight, scales, outputs: int) -> torch.Tensor:
-    """Compute the kernel's product independently: activations rounded per block of 32, sums in float64."""
+def butterfly(blocks: torch.Tensor) -> torch.Tensor:
+    """The kernels' unnormalized fast Walsh-Hadamard transform of each block of 32, the same float32 sums."""
+    size = blocks.shape[-1]
+    h = 1
+    while h < size:
+        runs = blocks.reshape(*blocks.shape[:-1], size // (2 * h), 2, h)
+        low, high = runs[..., 0, :], runs[..., 1, :]
+        blocks = torch.stack((low + high, low - high), dim=-2).reshape(blocks.shape)
+        h *= 2
+    return blocks
+
+
+def activation_blocks(fmt, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return the blocks of 32 the kernels round (int8's rotated), each block's step (largest / 127)
+    and the scale it keeps (int8's carrying the rotation's 1 / sqrt(32); 0 unless normal)."""
     rows, width = inputs.shape
     blocks = inputs.float().reshape(rows, width // 32, 32)
-    block_scales = blocks.abs().amax(dim=2) / 127
-    block_scales = torch.where(block_scales >= SMALLEST_NORMAL, block_scales, torch.zeros_like(block_scales))
-    inverse = torch.where(block_scales > 0, 1 / block_scales, torch.zeros_like(block_scales))
+    if fmt is INT8:
+        blocks = butterfly(blocks)
+    steps = blocks.abs().amax(dim=2) / 127
+    block_scales = steps * (1 / torch.tensor(32.0).sqrt()) if fmt is INT8 else steps
+    return blocks, steps, torch.where(block_scales >= SMALLEST_NORMAL, block_scales, torch.zeros_like(block_scales))
+
+
+def rounded_activations(fmt, inputs: torch.Tensor) -> torch.Tensor:
+    """Round activations per block of 32 as the kernels do (int8's blocks rotated first), and return
+    what the rounded values stand for, rotated back, in float64."""
+    rows, width = inputs.shape
+    blocks, steps, block_scales = activation_blocks(fmt, inputs)
+    inverse = torch.where(block_scales > 0, 1 / steps, torch.zeros_like(steps))
     levels = torch.round(blocks * inverse[:, :, None]).clamp(-127, 127)
     activations = (levels * block_scales[:, :, None]).double().reshape(rows, width)
-    return activations @ dequantize(fmt, weight, scales, outputs).double().t()
+    return rotate_groups(activations) if fmt is INT8 else activations
+
+
+def expected_product(fmt, inputs: torch.Tensor, weight, scales, outputs: int) -> torch.Tensor:
+    """Compute the kernel's product independently: activations rounded per block of 32, sums in float64."""
+    return rounded_activations(fmt, inputs) @ dequantize(fmt, weight, scales, outputs).double().t()
 
 
 def test_avx2_path_exists_here():
@@ -160,9 +188,10 @@ def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator)
     """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every
     group), so that tiny activations give products that stay normal floats."""
     low, high = (-127, 127) if fmt is INT8 else (-8, 7)
-    weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).float()
+    weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).double()
     weight[:, ::32] = low
-    return (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
+    # int8 stores each group rotated: rotating the integers first makes the stored groups the integers.
+    return quantize_int8(rotate_groups(weight)) if fmt is INT8 else quantize_int4(weight.float())
 
 
 def float_next(value: float, toward: float) -> float:
@@ -193,8 +222,9 @@ def extreme_rows(rows: int, inputs: int, generator: torch.Generator) -> torch.Te
 
 @pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
 def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(fmt):
-    """Blocks whose largest magnitude is 0, subnormal, the smallest normal or just below 127 times it add
-    nothing (a subnormal scale's inverse overflows, which made zeros -127); at that bound and above they count."""
+    """Blocks whose scale would be subnormal (largest magnitude, of the rotated block for int8, 0,
+    subnormal, the smallest normal or just below 127 times it) add nothing (a subnormal scale's inverse
+    overflows, which made zeros -127); at that bound and above they count."""
     generator = torch.Generator().manual_seed(10)
     outputs, inputs = 13, 256
     weight, scales = integral_weights(fmt, outputs, inputs, generator)
@@ -203,12 +233,16 @@ def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(f
         x[:, ::32] = largest
         x[1] = -x[1]
         x[2, 1::2] = 0.0
+        counted = (activation_blocks(fmt, x)[2] > 0).any(dim=1)
+        if fmt is INT4:
+            assert counted.all().item() == (largest >= SCALE_BOUND), largest
         for path in kernels.available_paths():
             got = product(fmt, x, weight, scales, outputs, path=path)
-            if largest < SCALE_BOUND:
-                assert torch.equal(got, torch.zeros(3, outputs)), (largest, path)
-            else:
-                assert (got != 0).all(), (largest, path)
+            for row in range(3):
+                if counted[row]:
+                    assert (got[row] != 0).all(), (largest, path, row)
+                else:
+                    assert torch.equal(got[row], torch.zeros(outputs)), (largest, path, row)
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
@@ -351,9 +385,10 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
 
 def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():
     """Each group of 32 has its own scale: in rows where one group is 100x the others, every group comes
-    back within half its own step (its largest magnitude / 254, the float16 scale's rounding aside), where
-    one scale per row made the small groups' step 100x coarser; and on every path the product is the
-    rounded activations times those weights, up to float32 summing."""
+    back within half its own step per rotated weight (its rotated largest magnitude / 254, the float16
+    scale's rounding aside; the rotation keeps the error's length), where one scale per row made the
+    small groups' step 100x coarser; and on every path the product is the rounded activations times
+    those weights, up to float32 summing."""
     generator = torch.Generator().manual_seed(12)
     outputs, inputs = 37, 256
     weight = torch.randn(outputs, inputs, generator=generator) * 0.05
@@ -361,8 +396,10 @@ def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():
     stored, scales = quantize_int8(weight)
     restored = dequantize(INT8, stored, scales, outputs)
     groups, restored_groups = weight.reshape(outputs, -1, 32), restored.reshape(outputs, -1, 32)
-    half_step = groups.abs().amax(dim=2, keepdim=True) / 254 * (1 + 2**-10)
-    assert ((restored_groups - groups).abs() <= half_step).all()
+    half_step = rotate_groups(weight).reshape(outputs, -1, 32).abs().amax(dim=2) / 254 * (1 + 2**-10)
+    assert ((restored_groups - groups).norm(dim=2) <= half_step * 32**0.5).all()
+    small = torch.arange(inputs // 32) != 3
+    assert (half_step[:, small] < half_step[:, 3:4] / 20).all()
     x = torch.randn(5, inputs, generator=generator)
     want = expected_product(INT8, x, stored, scales, outputs)
     bound = (x.abs().double() @ restored.abs().double().t()) * 3e-5

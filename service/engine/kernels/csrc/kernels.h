@@ -7,6 +7,11 @@
 //     even) and each block's sum of its int8 values is kept; a block holding NaN or inf has s_x =
 //     NaN (its values 0), which makes every output of its row NaN; a block whose s_x = largest
 //     magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
+//   - for kInt8Groups, each activation block is first rotated by the 32 x 32 Hadamard matrix
+//     (rotate_block), as the converter rotated each weight group: H is orthogonal, so the product
+//     is unchanged, while an outlier's magnitude is spread over its whole block, which the rounding
+//     then keeps finer. The butterfly's sums are sqrt(32) times the rotated values: s_x is rounded
+//     from them and then carries the 1 / sqrt(32). A block whose sums overflow counts as non-finite;
 //   - for each output, blocks in order, S = the exact integer sum over the block of weight times
 //     activation, then acc = fma(float(S), s_w * s_x, acc) with the weights' scale s_w of that
 //     row and block (float16, widened), the same for int8 and int4; then plus the bias, rounded to
@@ -33,6 +38,9 @@ namespace corechat {
 constexpr int64_t kBlock = 32;  // activation block and weight group, in elements
 
 enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1 };
+
+// Whether a format's weight groups are stored rotated, and its activation blocks rotated to match.
+constexpr bool rotated_blocks(int64_t format) { return format == kInt8Groups; }
 
 // Activations rounded to int8 per block: the values, one scale per block and the block's sum.
 struct QuantizedRows {
@@ -104,8 +112,9 @@ void matmul_avx2(const QuantizedRows&, const Weights&, const float*, Output, int
 void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_amx(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 
-// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's arrays.
-void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
+// Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's
+// arrays, each block rotated first if `rotated`.
+void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols);
 
 // Paged attention: every running sequence's keys and values live in pages of one pool, a table

@@ -158,7 +158,7 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
     for (size_t index = 0; index < 3; ++index)
         TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
     // Rounded once for the three products.
-    const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps));
+    const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps), format);
     std::vector<at::Tensor> results = products.apply({0, 1, 2}, states);
     rotate(results[0], head_dim, cos, sin);
     rotate(results[1], head_dim, cos, sin);
@@ -179,16 +179,16 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     TORCH_CHECK(outputs[0] == hidden.size(1) && outputs[3] == hidden.size(1),
                 "the output and down products must give hidden's width, ", hidden.size(1));
     TORCH_CHECK(outputs[1] == outputs[2], "the gate and up products must have the same width");
-    at::Tensor sum = products.apply({0}, quantize_input(attended))[0];
+    at::Tensor sum = products.apply({0}, quantize_input(attended, format))[0];
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
     // Rounded once for gate and up.
-    const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps));
+    const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps), format);
     // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
     std::vector<at::Tensor> gate_up = products.apply({1, 2}, states);
     at::Tensor activation = at::silu(gate_up[0]);
     activation.mul_(gate_up[1]);
-    at::Tensor down = products.apply({3}, quantize_input(activation))[0];
+    at::Tensor down = products.apply({3}, quantize_input(activation, format))[0];
     add_into(sum, down);
     return sum;
 }
@@ -289,7 +289,8 @@ void run_products(int64_t model, int64_t rows) {
     // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
     const auto input_of = [&](const at::Tensor& weight) {
         return quantize_input(at::ones({rows, weight.size(1) * (layers->format == kInt8Groups ? 1 : 2)},
-                                       first.attention_norm.options()));
+                                       first.attention_norm.options()),
+                              layers->format);
     };
     const QuantizedInput narrow = input_of(first.attention_weights[0]), attended = input_of(first.mlp_weights[0]),
                          wide = input_of(first.mlp_weights[3]);

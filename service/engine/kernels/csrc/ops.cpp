@@ -133,8 +133,10 @@ std::vector<std::string> paths() {
 // its own constants against these when it loads. Names and values side by side (a Dict return
 // trips a warning inside torch's headers).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
-    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_groups", "int4_groups"},
-            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Groups, kInt4Groups}};
+    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_groups", "int4_groups",
+             "int8_rotated"},
+            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Groups, kInt4Groups,
+             rotated_blocks(kInt8Groups)}};
 }
 
 }  // namespace
@@ -143,7 +145,7 @@ void check_cpu(const at::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.is_cpu(), name, " must be a CPU tensor, not one on ", tensor.device());
 }
 
-QuantizedInput quantize_input(const at::Tensor& input) {
+QuantizedInput quantize_input(const at::Tensor& input, int64_t format) {
     check_cpu(input, "input");
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
@@ -157,7 +159,7 @@ QuantizedInput quantize_input(const at::Tensor& input) {
                      at::empty({rows, blocks}, input.options().dtype(at::kInt))};
     const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
     at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
-        quantize_rows(input.const_data_ptr(), bfloat16_input, inputs, begin, end, x.values.data_ptr<int8_t>(),
+        quantize_rows(input.const_data_ptr(), bfloat16_input, rotated_blocks(format), inputs, begin, end, x.values.data_ptr<int8_t>(),
                       x.scales.data_ptr<float>(), x.sums.data_ptr<int32_t>(), inputs);
     });
     return x;
@@ -249,7 +251,7 @@ at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path) {
-    return product(quantize_input(input), weight, scales, bias, format, outputs, float32_output, path);
+    return product(quantize_input(input, format), weight, scales, bias, format, outputs, float32_output, path);
 }
 
 namespace {

@@ -27,10 +27,25 @@ inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, in
     return group < 4 ? (packed & 0x0f) : (packed >> 4);
 }
 
+// The unnormalized fast Walsh-Hadamard transform of a block, in place: at each stride h, every pair
+// (i, i + h) of each run of 2h becomes (a + b, a - b). Sylvester's ordering, so H is symmetric and
+// quantized.py's rotate_groups, which rotates the weights, is the same matrix.
+inline void rotate_block(float* block) {
+    for (int64_t h = 1; h < kBlock; h *= 2)
+        for (int64_t start = 0; start < kBlock; start += 2 * h)
+            for (int64_t i = start; i < start + h; ++i) {
+                const float a = block[i], b = block[i + h];
+                block[i] = a + b;
+                block[i + h] = a - b;
+            }
+}
+
 }  // namespace
 
-void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t begin, int64_t end,
+void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols) {
+    // 1 / sqrt(32), the rotation's norm, rounded to float once.
+    const float inverse_root = 1.0f / std::sqrt(static_cast<float>(kBlock));
     const int64_t blocks = cols / kBlock;
     float block[kBlock];
     for (int64_t row = begin; row < end; ++row) {
@@ -42,6 +57,7 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
             } else {
                 std::memcpy(block, static_cast<const float*>(source) + first, sizeof block);
             }
+            if (rotated) rotate_block(block);
             float largest = 0.0f;
             bool finite = true;
             for (int i = 0; i < kBlock; ++i) {
@@ -58,11 +74,12 @@ void quantize_rows(const void* source, bool bfloat16, int64_t stride, int64_t be
                 scale = std::numeric_limits<float>::quiet_NaN();
                 std::memset(out, 0, kBlock);
             } else {
-                scale = largest / 127.0f;
+                const float steps = largest / 127.0f;
+                scale = rotated ? steps * inverse_root : steps;
                 // A subnormal scale's inverse can overflow to inf, and 0 * inf would turn the block's
                 // zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
                 if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
-                const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+                const float inverse = scale != 0.0f ? 1.0f / steps : 0.0f;
                 for (int i = 0; i < kBlock; ++i) {
                     float rounded = std::min(127.0f, std::max(-127.0f, round_half_even(block[i] * inverse)));
                     out[i] = static_cast<int8_t>(rounded);
