@@ -69,7 +69,10 @@ def test_tools_and_response_formats_key_their_own_replies_and_logprobs_bypass(ma
     app = build_app(make_settings, engine, backend)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     variants = [GREEDY, {**GREEDY, "tools": [tool]}, {**GREEDY, "tools": [tool], "tool_choice": "required"},
-                {**GREEDY, "response_format": {"type": "json_object"}}, {**GREEDY, "repetition_penalty": 1.2}]
+                {**GREEDY, "response_format": {"type": "json_object"}}, {**GREEDY, "repetition_penalty": 1.2},
+                {**GREEDY, "structured_outputs": {"regex": "[0-9]+"}},
+                {**GREEDY, "structured_outputs": {"regex": "[a-z]+"}},
+                {**GREEDY, "structured_outputs": {"choice": ["a", "b"]}}, {**GREEDY, "grammar": "root ::= [0-9]+"}]
     assert len({key_of(app, body) for body in variants}) == len(variants)
     with_logprobs = {**GREEDY, "logprobs": True}
     assert [post(app, with_logprobs).headers["X-Cache"] for _ in range(2)] == ["bypass", "bypass"]

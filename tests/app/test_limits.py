@@ -5,6 +5,7 @@ tests/app/test_api.py already covers are not repeated here.
 """
 
 import json
+import re
 
 import pytest
 
@@ -177,3 +178,96 @@ def test_very_long_single_string_gets_a_clean_400(make_settings, engine):
     client = create_app(make_settings(max_model_len=256), engine=engine).test_client()
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab " * 300_000}]})
     assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
+
+
+# OpenAI's words: agents match the code, and some the numbers in the message, to compact and retry.
+REQUESTED = re.compile(r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                       r"\((\d+) in the (messages|prompt), (\d+) in the completion\)\. Please reduce the length of the "
+                       r"\4 or completion\.")
+RESULTED = re.compile(r"This model's maximum context length is (\d+) tokens\. However, your (messages|prompt) "
+                      r"resulted in (\d+) tokens(, which leaves no room for the completion)?\. Please reduce the "
+                      r"length of the \2\.")
+
+
+def assert_context_exceeded(response, param: str) -> str:
+    """Check a response is OpenAI's context_length_exceeded blaming `param`; return its message."""
+    error = assert_openai_error(response, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    return error["message"]
+
+
+@pytest.mark.parametrize("length_field", ["max_tokens", "max_completion_tokens"])
+def test_chat_past_the_context_with_a_length_gives_openais_numbers(client, engine, length_field):
+    prompt_tokens = len(engine.template.encode(engine.template.render(USER)))
+    response = client.post("/v1/chat/completions", json={"messages": USER, length_field: 250})
+    match = REQUESTED.fullmatch(assert_context_exceeded(response, length_field))
+    assert match and match.groups() == ("256", str(prompt_tokens + 250), str(prompt_tokens), "messages", "250")
+
+
+def test_chat_prompt_alone_past_the_context_says_how_long_it_is(client):
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 300}]})
+    match = RESULTED.fullmatch(assert_context_exceeded(response, "messages"))
+    assert match and match.group(1) == "256" and int(match.group(3)) > 256 and match.group(4) is None
+
+
+def test_chat_prompt_filling_the_context_says_no_room_is_left(client, engine):
+    content = _content_with_prompt_tokens(engine, 256)
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    match = RESULTED.fullmatch(assert_context_exceeded(response, "messages"))
+    assert match and match.group(3) == "256" and match.group(4)
+
+
+def test_a_streamed_request_past_the_context_is_refused_before_the_stream(client):
+    response = client.post("/v1/chat/completions",
+                           json={"messages": USER, "max_tokens": 300, "stream": True})
+    assert response.mimetype == "application/json"
+    assert_context_exceeded(response, "max_tokens")
+
+
+def test_each_of_n_choices_past_the_context_is_refused(client):
+    response = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 250, "n": 3})
+    assert REQUESTED.fullmatch(assert_context_exceeded(response, "max_tokens"))
+
+
+@pytest.mark.parametrize("body, param, pattern", [
+    ({"prompt": "word " * 300}, "prompt", REQUESTED),
+    ({"prompt": [1] * 256, "max_tokens": 1}, "prompt", REQUESTED),
+    ({"prompt": [[1] * 300]}, "prompt", REQUESTED),
+    ({"prompt": [1] * 200, "max_tokens": 57}, "max_tokens", REQUESTED),
+    ({"prompt": [1] * 256, "max_tokens": 0, "echo": True}, "prompt", RESULTED),
+], ids=["text", "token-ids-filling-it", "a-list-of-token-ids", "max-tokens", "echo-alone"])
+def test_legacy_completions_past_the_context_name_the_prompt_or_the_length(client, body, param, pattern):
+    message = assert_context_exceeded(client.post("/v1/completions", json=body), param)
+    match = pattern.fullmatch(message)
+    assert match and match.group(1) == "256" and "prompt" in match.groups(), message
+
+
+def test_tokenize_counts_a_text_past_the_context_so_a_client_can_measure_before_it_compacts(client):
+    reply = client.post("/tokenize", json={"prompt": "word " * 300}).get_json()
+    assert reply["count"] > reply["max_model_len"] == 256
+
+
+@pytest.fixture(scope="module")
+def small_budget_client(make_settings):
+    """Return a client of an engine whose 1 MiB KV budget (4096 tokens of the tiny model) is below its context."""
+    settings = make_settings(max_model_len=16_384, kv_cache_mb=1)
+    with started_engine(settings) as engine:
+        assert engine.kv_token_budget == 4096
+        yield create_app(settings, engine=engine).test_client()
+
+
+def test_a_request_past_the_kv_budget_says_the_servers_limit_in_openais_words(small_budget_client):
+    response = small_budget_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4090})
+    message = assert_context_exceeded(response, "max_tokens")
+    assert message.startswith("This model's maximum context length is 4096 tokens on this server (the KV cache "
+                              "budget of a worker, KV_CACHE_MB). However, you requested ")
+
+
+def test_n_choices_sharing_the_kv_budget_past_it_blame_n(small_budget_client):
+    body = {"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 600, "n": 3}
+    message = assert_context_exceeded(small_budget_client.post("/v1/chat/completions", json=body), "n")
+    assert re.fullmatch(r"This server's KV cache holds 4096 tokens per worker \(KV_CACHE_MB\), which 3 choices "
+                        r"share\. However, you requested \d+ tokens \(3 choices of \d+ in the messages and 600 in the "
+                        r"completion\)\. Please reduce n or the length of the messages or completion\.", message)
+    one = small_budget_client.post("/v1/chat/completions", json={**body, "n": 1, "max_tokens": 1})
+    assert one.status_code == 200
