@@ -326,6 +326,15 @@ def test_a_stored_response_is_retrieved_whole_by_its_key_alone(stored_client, re
     assert stored_client.get(f"/v1/responses/{response.id}?stream=true", headers=FIRST).status_code == 400
 
 
+def test_a_response_one_worker_stores_is_read_and_continued_by_another(make_settings, engine, redis_server):
+    settings = make_settings(max_model_len=256, redis_url=redis_server.url, api_keys=",".join(KEYS))
+    storing, reading = (create_app(settings, engine=engine).test_client() for _ in range(2))
+    response = whole(storing, FIRST, input="Shared.", max_output_tokens=3, **GREEDY)
+    assert Response.model_validate(reading.get(f"/v1/responses/{response.id}", headers=FIRST).get_json()) == response
+    assert whole(reading, FIRST, input="Next.", previous_response_id=response.id, max_output_tokens=2,
+                 **GREEDY).usage.input_tokens > response.usage.input_tokens
+
+
 def test_a_streamed_response_is_stored_as_its_last_event_says(stored_client):
     events = streamed(stored_client, FIRST, input="Stream and keep.", max_output_tokens=5, **GREEDY)
     final = events[-1].response
@@ -377,3 +386,15 @@ def test_a_response_that_cannot_be_kept_is_a_503_never_a_silent_success(stored_c
     assert events[-1].type == "response.failed" and events[-1].response.error.code == "server_error"
     assert whole(stored_client, FIRST, input="Do not keep.", max_output_tokens=2, store=False, **GREEDY).store is False
     assert stored_client.get("/v1/responses/resp_1", headers=FIRST).status_code == 503
+
+
+def test_responses_count_in_the_request_metrics_as_chat_does(client):
+    from prometheus_client import REGISTRY
+
+    def count(outcome: str) -> float:
+        return REGISTRY.get_sample_value("corechat_requests_total", {"outcome": outcome}) or 0.0
+
+    before = count("length"), count("unsupported_parameter")
+    whole(client, input="Count me.", max_output_tokens=2, **GREEDY)
+    create(client, input="Refuse me.", background=True)
+    assert (count("length"), count("unsupported_parameter")) == (before[0] + 1, before[1] + 1)
