@@ -157,6 +157,9 @@ STRUCTURED_OUTPUT_KEYS = ("choice", "regex", "grammar", "json")
 class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs`: exactly one of a list of choices, a regex, a Lark grammar or a JSON schema."""
 
+    # So the OpenAPI document says what _known_keys_only enforces: no other keys.
+    model_config = ConfigDict(extra="forbid")
+
     choice: list[str] | None = Field(None, min_length=1, description="The reply is exactly one of these strings.")
     regex: str | None = Field(None, description="The whole reply matches this regular expression (Rust's `regex` "
                               "syntax, as llguidance takes it: no look-around, no backreferences).")
