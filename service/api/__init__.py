@@ -1,4 +1,5 @@
-"""The HTTP API: OpenAI's chat and legacy completions, tokenization, models, probes and the chat page.
+"""The HTTP API: OpenAI's chat and legacy completions, its Responses API (responses_api/, served as the chat
+completions it means), tokenization, models, probes and the chat page.
 
 routes.py is the blueprint: each view parses (chat_request.py, completion_request.py,
 tokenize_request.py), checks the cache, calls a serving class (chat.py, completions.py,
