@@ -15,7 +15,7 @@ from ...engine import ChoiceGroup, EventSource, Failed, Finished, Generation, Kv
 from ...errors import RETRY_AFTER_SECONDS, InvalidRequest, NotFound, Overloaded
 from ..chat import ChatCompletions, PreparedChat
 from ..serving import interrupted, read_whole_reply
-from ..sse import PING
+from ..sse import PING, sse_event
 from .conversation import chat_request, check_call_ids, responses_field_names
 from .objects import OutputMessage, ResponseObject, StoredResponse, StreamEvent
 from .output import ResponseFacts, ResponseWriter, new_item_id
@@ -62,9 +62,9 @@ class PreparedResponse(PreparedChat):
                              store=self.store)
 
 
-def sse_event(event: StreamEvent) -> str:
-    """Frame one event as OpenAI frames the Responses API's: its type, then its data."""
-    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+def framed(event: StreamEvent) -> str:
+    """Frame one event of a streamed response."""
+    return sse_event(event.type, event.model_dump_json())
 
 
 def store_failed(exc: StoreUnavailable) -> Overloaded:
@@ -141,27 +141,27 @@ class ResponsesServing:
         with `response.failed`. The source is cancelled in `finally`, so a client that goes away frees its slot."""
         writer = ResponseWriter(prepared.facts(), prepared.tool_call_parser())
         try:
-            yield from map(sse_event, writer.begin())
+            yield from map(framed, writer.begin())
             while True:
                 event = source.next_event(timeout=self.chat.settings.sse_ping_seconds)
                 if event is None:
                     yield PING
                 elif isinstance(event, TextDelta):
-                    yield from map(sse_event, writer.feed(event.text))
+                    yield from map(framed, writer.feed(event.text))
                 elif isinstance(event, Finished):
                     if event.finish_reason == "cancelled":
-                        yield sse_event(writer.fail(interrupted().message))
+                        yield framed(writer.fail(interrupted().message))
                         break
-                    yield from map(sse_event, writer.end(event))
+                    yield from map(framed, writer.end(event))
                     try:
                         self._keep(prepared, writer)
                     except Overloaded as exc:
-                        yield sse_event(writer.fail(exc.message))
+                        yield framed(writer.fail(exc.message))
                         break
-                    yield sse_event(writer.last_event())
+                    yield framed(writer.last_event())
                     break
                 elif isinstance(event, Failed):
-                    yield sse_event(writer.fail(event.message))
+                    yield framed(writer.fail(event.message))
                     break
         finally:
             source.cancel()
