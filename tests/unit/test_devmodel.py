@@ -265,3 +265,82 @@ def test_command_line_prints_the_folder(fresh_tiny_dir, capsys, caplog):
     devmodel.main([str(fresh_tiny_dir), "--preset", "tiny"])
     assert capsys.readouterr().out.strip() == str(fresh_tiny_dir)
     assert "RANDOM WEIGHTS" in caplog.text
+
+
+QWEN3_0_6B_PARAMETERS = 596_049_920
+# Qwen3's added tokens after Qwen2.5's, written out as above.
+QWEN3_MORE_ADDED_TOKENS = [
+    ("<tool_response>", 151665, False),
+    ("</tool_response>", 151666, False),
+    ("<think>", 151667, False),
+    ("</think>", 151668, False),
+]
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
+    """Build the tiny Qwen3 dev model once and load its tokenizer as the service does."""
+    return AutoTokenizer.from_pretrained(
+        devmodel.build_dev_model(tmp_path_factory.mktemp("devmodel") / "qwen3-tiny", preset="qwen3-tiny"))
+
+
+def test_qwen3_0_6b_config_matches_the_real_model_shape_and_parameter_count():
+    config = devmodel.make_model_config("qwen3-0.6b")
+    assert config.architectures == ["Qwen3ForCausalLM"]
+    assert config.model_type == "qwen3"
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (28, 1024, 3072)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 8, 128)
+    assert config.attention_bias is False
+    assert config.vocab_size == 151936
+    assert config.tie_word_embeddings is True
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+    assert config.rms_norm_eps == 1e-6
+    assert config.max_position_embeddings == 40960
+    assert config.use_sliding_window is False
+    assert set(config.layer_types) == {"full_attention"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.num_parameters() == QWEN3_0_6B_PARAMETERS
+
+
+@pytest.mark.parametrize("content, token_id, special", QWEN25_ADDED_TOKENS[-2:] + QWEN3_MORE_ADDED_TOKENS)
+def test_qwen3_added_tokens_have_qwen3_ids(qwen3_tokenizer, content, token_id, special):
+    assert qwen3_tokenizer.convert_tokens_to_ids(content) == token_id
+    assert qwen3_tokenizer.added_tokens_decoder[token_id].special is special
+    assert qwen3_tokenizer.encode(content, add_special_tokens=False) == [token_id]
+
+
+def test_qwen3_tokenizer_keeps_qwen_eos_and_has_qwen3s_size(qwen3_tokenizer):
+    assert (qwen3_tokenizer.eos_token, qwen3_tokenizer.eos_token_id) == ("<|im_end|>", 151645)
+    assert len(qwen3_tokenizer) == 151669
+    assert qwen3_tokenizer.chat_template == devmodel.QWEN3_CHAT_TEMPLATE
+
+
+def test_qwen3_template_thinks_unless_enable_thinking_is_false(qwen3_tokenizer):
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert thinking == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=True) == thinking
+    answering = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                    enable_thinking=False)
+    assert answering == thinking + "<think>\n\n</think>\n\n"
+    assert qwen3_tokenizer.encode(answering, add_special_tokens=False)[-4:] == [151667, 271, 151668, 271]
+
+
+def test_qwen3_template_drops_earlier_thinking_and_keeps_the_last_turns():
+    """As Qwen3's own: an assistant turn before the last user message loses its <think> block."""
+    tokenizer = devmodel.build_tokenizer(devmodel.PRESETS["qwen3-tiny"])
+    messages = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nB"},
+                {"role": "user", "content": "C"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert rendered == ("<|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n"
+                        "<|im_start|>user\nC<|im_end|>\n")
+
+
+def test_qwen3_generation_config_has_qwen3s_thinking_defaults():
+    generation = devmodel.make_generation_config(devmodel.PRESETS["qwen3-0.6b"])
+    assert generation.eos_token_id == [151645, 151643]
+    assert (generation.temperature, generation.top_p, generation.top_k) == (0.6, 0.95, 20)
+    assert generation.do_sample is True
