@@ -3,6 +3,7 @@
 // it, its bits are the same (no -ffast-math, -ffp-contract=off).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels.h"
@@ -27,17 +28,37 @@ inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, in
     return group < 4 ? (packed & 0x0f) : (packed >> 4);
 }
 
-// The unnormalized fast Walsh-Hadamard transform of a block, in place: at each stride h, every pair
-// (i, i + h) of each run of 2h becomes (a + b, a - b). Sylvester's ordering, so H is symmetric and
-// quantized.py's rotate_groups, which rotates the weights, is the same matrix.
+// Eight floats as one value of GCC's vector extension: plain C++ that each build lowers to its own
+// instruction set (two SSE halves on the baseline, one AVX register above), with IEEE sums lane by
+// lane, so every build computes the same bits.
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef int32_t Picks8 __attribute__((vector_size(32)));
+
+// One butterfly stage inside a run of 8: each lane adds its partner (the lane `partner` picks) to
+// itself or, where `sign` is -1, to its own negation: a + b in a pair's first lane (as b + a, the same
+// sum), a - b in its second. The product by +-1 is exact, so each lane's sum has the plain loop's bits.
+inline Lanes8 stage(Lanes8 v, Picks8 partner, Lanes8 sign) { return __builtin_shuffle(v, partner) + v * sign; }
+
+// The unnormalized fast Walsh-Hadamard transform of a block, in place: at each stride h = 1, 2, 4,
+// 8, 16 in turn, every pair (i, i + h) of each run of 2h becomes (a + b, a - b). Sylvester's
+// ordering, so H is symmetric and quantized.py's rotate_groups, which rotates the weights, is the
+// same matrix. The block is four runs of 8: strides 1, 2, 4 pair lanes within a run, 8 and 16 pair
+// runs; each sum is the one the plain loop would add, so its bits too.
 inline void rotate_block(float* block) {
-    for (int64_t h = 1; h < kBlock; h *= 2)
-        for (int64_t start = 0; start < kBlock; start += 2 * h)
-            for (int64_t i = start; i < start + h; ++i) {
-                const float a = block[i], b = block[i + h];
-                block[i] = a + b;
-                block[i + h] = a - b;
-            }
+    static_assert(kBlock == 32, "the butterfly is written for blocks of 32");
+    Lanes8 runs[4];
+    std::memcpy(runs, block, sizeof runs);
+    for (Lanes8& v : runs) {
+        v = stage(v, Picks8{1, 0, 3, 2, 5, 4, 7, 6}, Lanes8{1, -1, 1, -1, 1, -1, 1, -1});
+        v = stage(v, Picks8{2, 3, 0, 1, 6, 7, 4, 5}, Lanes8{1, 1, -1, -1, 1, 1, -1, -1});
+        v = stage(v, Picks8{4, 5, 6, 7, 0, 1, 2, 3}, Lanes8{1, 1, 1, 1, -1, -1, -1, -1});
+    }
+    const Lanes8 a0 = runs[0] + runs[1], a1 = runs[0] - runs[1], a2 = runs[2] + runs[3], a3 = runs[2] - runs[3];
+    runs[0] = a0 + a2;
+    runs[1] = a1 + a3;
+    runs[2] = a0 - a2;
+    runs[3] = a1 - a3;
+    std::memcpy(block, runs, sizeof runs);
 }
 
 }  // namespace
