@@ -4,11 +4,12 @@
 bench/quality.py's windows with one rounding applied at a time, and gives each variant's KL
 divergence from the plain float32 forward and its top-1 agreement:
 - weights only, stored as each format stores them (service/engine/quantized.py's own converters,
-  dequantized), and as the alternatives the formats were chosen over: int8 with one scale per row,
-  int4 with q4_0's rule (each group's largest weight at -8) and with its output layer in int4 too;
+  dequantized), and as the alternatives the formats were chosen over: int8 without the rotation of
+  its groups (q8_0's rounding) and with one scale per row, int4 with q4_0's rule (each group's
+  largest weight at -8), with its output layer in int4 too and with its groups rotated as int8's;
 - int8 weights plus the activations rounded to int8 per block of 32, as the kernels round every
-  product's input;
-- that plus bfloat16 where the served forward keeps bfloat16 (the embedding, each layer's output,
+  product's input, unrotated (as q8_0) and rotated (as the kernels do for int8), and int4's;
+- those plus bfloat16 where the served forward keeps bfloat16 (the embedding, each layer's output,
   and the query, key, value, attention-output and down products' outputs).
 It splits bench/quality.py's end-to-end figure into its causes, so a format idea can be judged
 before a kernel is written. Results: bench/results/<machine>/rounding.json and .md.
@@ -27,7 +28,15 @@ from torch import nn  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.quality import TEXT, WINDOW, Tally, read_text, scored_positions, text_tokens, windows_of  # noqa: E402
-from service.engine.quantized import INT4, INT8, OUTPUT_LAYER, dequantize, quantize_int4, quantize_int8  # noqa: E402
+from service.engine.quantized import (  # noqa: E402
+    INT4,
+    INT8,
+    OUTPUT_LAYER,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    rotate_groups,
+)
 
 GROUP = 32
 
@@ -35,6 +44,12 @@ GROUP = 32
 def stored(fmt, quantize) -> Callable[[torch.Tensor], torch.Tensor]:
     """Return the rounding of a format's converter: the weights it stores, dequantized."""
     return lambda weight: dequantize(fmt, *quantize(weight), weight.shape[0])
+
+
+def int8_unrotated(weight: torch.Tensor) -> torch.Tensor:
+    """int8 as stored, but without the rotation (q8_0's rounding): the converter rotates the groups of
+    what it is given, so it is given them rotated, and its result rotated back once more."""
+    return rotate_groups(stored(INT8, quantize_int8)(rotate_groups(weight)))
 
 
 def int8_per_row(weight: torch.Tensor) -> torch.Tensor:
@@ -51,13 +66,18 @@ def int4_q4_0_rule(weight: torch.Tensor) -> torch.Tensor:
     return (levels * scales).reshape(weight.shape)
 
 
-def activations_rounded(module: nn.Module, inputs: tuple) -> tuple:
-    """Round a product's input to int8 per block of 32, as the kernels do (largest magnitude / 127)."""
-    (states,) = inputs
+def rotated(rounding: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return `rounding` applied to the groups rotated (the Hadamard matrix, quantized.py), then rotated
+    back: what the product sees when weights and input blocks are both rounded rotated."""
+    return lambda values: rotate_groups(rounding(rotate_groups(values)))
+
+
+def round_activations(states: torch.Tensor) -> torch.Tensor:
+    """Round to int8 per block of 32, as the kernels do (largest magnitude / 127)."""
     blocks = states.reshape(*states.shape[:-1], -1, GROUP)
     scales = blocks.abs().amax(dim=-1, keepdim=True) / 127
     levels = torch.round(blocks / torch.where(scales > 0, scales, 1.0)).clamp(-127, 127)
-    return ((levels * scales).reshape(states.shape),)
+    return (levels * scales).reshape(states.shape)
 
 
 def bfloat16_output(module: nn.Module, inputs: tuple, output):
@@ -69,19 +89,29 @@ def bfloat16_output(module: nn.Module, inputs: tuple, output):
 
 # Variant name -> (the decoder's Linear weights' rounding, the output layer's, activations, bfloat16 states).
 VARIANTS = {
-    "none (float32)": (torch.clone, torch.clone, False, False),
-    "int8 weights (a float16 scale per group of 32)": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), False, False),
-    "int8 weights (a float32 scale per row)": (int8_per_row, int8_per_row, False, False),
-    "int4 weights (output layer int8)": (stored(INT4, quantize_int4), stored(INT8, quantize_int8), False, False),
-    "int4 weights (output layer int4)": (stored(INT4, quantize_int4), stored(INT4, quantize_int4), False, False),
-    "int4 weights (q4_0's rule, output layer int8)": (int4_q4_0_rule, stored(INT8, quantize_int8), False, False),
-    "int8 weights + activations per 32": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), True, False),
-    "int8 weights + activations + bfloat16 states": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), True, True),
+    "none (float32)": (torch.clone, torch.clone, None, False),
+    "int8 weights (groups rotated, as stored)": (stored(INT8, quantize_int8), stored(INT8, quantize_int8), None, False),
+    "int8 weights (groups unrotated, as q8_0)": (int8_unrotated, int8_unrotated, None, False),
+    "int8 weights (a float32 scale per row)": (int8_per_row, int8_per_row, None, False),
+    "int8 unrotated: weights + activations per 32 (q8_0's rounding)": (int8_unrotated, int8_unrotated,
+                                                                       round_activations, False),
+    "int8 unrotated: weights + activations + bfloat16 states": (int8_unrotated, int8_unrotated, round_activations, True),
+    "int8 rotated: weights + activations per 32 (the format)": (stored(INT8, quantize_int8), stored(INT8, quantize_int8),
+                                                                rotated(round_activations), False),
+    "int8 rotated: weights + activations + bfloat16 states": (stored(INT8, quantize_int8), stored(INT8, quantize_int8),
+                                                              rotated(round_activations), True),
+    "int4 weights (output layer int8)": (stored(INT4, quantize_int4), stored(INT8, quantize_int8), None, False),
+    "int4 weights (output layer int4)": (stored(INT4, quantize_int4), stored(INT4, quantize_int4), None, False),
+    "int4 weights (q4_0's rule, output layer int8)": (int4_q4_0_rule, stored(INT8, quantize_int8), None, False),
+    "int4 weights, groups rotated (output layer int8)": (rotated(stored(INT4, quantize_int4)),
+                                                         stored(INT8, quantize_int8), None, False),
+    "int4 weights + activations (output layer int8)": (stored(INT4, quantize_int4), stored(INT8, quantize_int8),
+                                                       round_activations, False),
 }
 
 
 def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], weights, output_weights,
-                activations: bool, bfloat16_states: bool, originals: dict[str, torch.Tensor]) -> dict:
+                activations: Callable[[torch.Tensor], torch.Tensor] | None, bfloat16_states: bool, originals: dict[str, torch.Tensor]) -> dict:
     """Score one variant's forward against the float32 one; the model is restored after."""
     hooks = []
     linears = {name: module for name, module in model.named_modules()
@@ -90,8 +120,9 @@ def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], 
         for name, module in linears.items():
             module.weight.copy_(weights(originals[f"{name}.weight"]))
         output = output_weights(originals[OUTPUT_LAYER])
-    if activations:
-        hooks += [module.register_forward_pre_hook(activations_rounded) for module in linears.values()]
+    if activations is not None:
+        hooks += [module.register_forward_pre_hook(lambda module, inputs: (activations(inputs[0]),))
+                  for module in linears.values()]
     if bfloat16_states:
         hooks.append(model.model.embed_tokens.register_forward_hook(bfloat16_output))
         for layer in model.model.layers:
@@ -105,8 +136,8 @@ def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], 
         with torch.inference_mode():
             for window, expected in zip(windows, reference, strict=True):
                 hidden = model.model(input_ids=torch.tensor([window])).last_hidden_state[0, scored.start:scored.stop]
-                if activations:
-                    (hidden,) = activations_rounded(model.lm_head, (hidden,))
+                if activations is not None:
+                    hidden = activations(hidden)
                 tally.add(expected, (hidden @ output.T).log_softmax(-1), torch.tensor(window[scored.start + 1:]))
     finally:
         for hook in hooks:
