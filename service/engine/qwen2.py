@@ -1,4 +1,5 @@
-"""A lean forward for Qwen2-family models: transformers' operations, without its module machinery.
+"""A lean forward for Qwen2-family models (Qwen2, Qwen3, Llama): transformers' operations, without its
+module machinery.
 
 A decode step through transformers' modules spends much of its time in Python outside any operator
 (module calls, decorators, keyword plumbing, mask building; bench/probes/step_probe.py). This
@@ -9,7 +10,7 @@ to its own (kernels.h: PagedAttention), so a row's result depends neither on the
 how its prompt was cut.
 
 Quantized models (int8, int4) run all their decoder layers in one operator (kernels/csrc/layer.cpp:
-run_layers, a layer's norm, products and rotary before attention, the attention, and the rest
+run_layers, a layer's norm, products, Qwen3's head norms and rotary before attention, the attention, and the rest
 after it), the same arithmetic as transformers' except RMSNorm's mean, which the kernel sums in its
 own fixed order; the hook between layers (the engine's core sharing) runs once per forward.
 bfloat16 models run transformers' operations one by one around the attention kernel.
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 
 from .quantized import QuantizedLinear
 
-# Llama's decoder is Qwen2's without the query, key and value biases (SmolLM2, Llama 3.2, TinyLlama).
-ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# Llama's decoder is Qwen2's without the query, key and value biases (SmolLM2, Llama 3.2, TinyLlama);
+# Qwen3's is Llama's with an RMSNorm over each query and key head before the rotary (q_norm, k_norm).
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
 # Head sizes the attention kernel takes.
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -35,6 +37,8 @@ class FusedLayer:
 
     attention: tuple
     mlp: tuple
+    # Qwen3's query and key norms (weights and epsilon), or None for a decoder without them.
+    head_norms: tuple | None = None
 
 
 def product_arguments(linears: list[QuantizedLinear]) -> tuple:
@@ -60,12 +64,23 @@ def fused_layers(model) -> list[FusedLayer] | None:
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, *product_arguments(before)),
             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
              *product_arguments(after)),
+            head_norms(attention),
         ))
     return layers
 
 
+def head_norms(attention) -> tuple | None:
+    """Return an attention block's query and key norms as (query weight, key weight, epsilon), or None."""
+    query_norm, key_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    if query_norm is None or key_norm is None:
+        return None
+    if query_norm.variance_epsilon != key_norm.variance_epsilon:
+        raise ValueError("the query and key norms of a layer have different epsilons")
+    return query_norm.weight, key_norm.weight, query_norm.variance_epsilon
+
+
 def rms_norm(hidden: torch.Tensor, norm) -> torch.Tensor:
-    """Qwen2RMSNorm's operations."""
+    """Qwen2RMSNorm's operations (Qwen3RMSNorm's too, over the last dimension: a head for q_norm and k_norm)."""
     widened = hidden.to(torch.float32)
     variance = widened.pow(2).mean(-1, keepdim=True)
     widened = widened * torch.rsqrt(variance + norm.variance_epsilon)
@@ -118,7 +133,12 @@ def lean_model(model, between_layers: Callable[[], object] | None = None) -> Lea
 def register_layers(model, fused: list[FusedLayer]) -> int:
     """Hand a quantized model's layers to the kernels once; return the handle run_layers takes."""
     norms, epsilons, weights, scales, biases, outputs = [], [], [], [], [], []
+    # Either none or every layer has head norms (a model has one decoder class): two weights a layer.
+    per_head, head_epsilons = [], []
     for layer in fused:
+        if layer.head_norms is not None:
+            per_head += layer.head_norms[:2]
+            head_epsilons.append(layer.head_norms[2])
         for norm, eps, layer_weights, layer_scales, layer_biases, layer_outputs, _ in (layer.attention, layer.mlp):
             norms.append(norm)
             epsilons.append(eps)
@@ -128,7 +148,7 @@ def register_layers(model, fused: list[FusedLayer]) -> int:
             outputs += layer_outputs
     attention = model.model.layers[0].self_attn
     return torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fused[0].attention[-1],
-                                              attention.head_dim, attention.scaling)
+                                              attention.head_dim, attention.scaling, per_head, head_epsilons)
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,7 @@ class Rows:
 
 
 def lean_forward(lean: LeanModel, token_ids: torch.Tensor, rows: Rows, pool: torch.Tensor, keep_last: int) -> torch.Tensor:
-    """Run Qwen2ForCausalLM's operations over rows of tokens; return the logits of the last `keep_last`
+    """Run Qwen2ForCausalLM's (or Qwen3's, Llama's) operations over rows of tokens; return the logits of the last `keep_last`
     rows (0: every row), float32 [kept, vocabulary]."""
     model = lean.model
     inner = model.model
@@ -186,6 +206,8 @@ def decoder(hidden, cos, sin, layers, lean: LeanModel, rows: Rows, pool: torch.T
         query = product(attention.q_proj, states).view(count, -1, head_dim)
         key = product(attention.k_proj, states).view(count, -1, head_dim)
         value = product(attention.v_proj, states)
+        if getattr(attention, "q_norm", None) is not None:
+            query, key = rms_norm(query, attention.q_norm), rms_norm(key, attention.k_norm)
         query = (query * cos) + (rotate_half(query) * sin)
         key = (key * cos) + (rotate_half(key) * sin)
         attended = attend(query, key, value, pool, index, rows, head_dim, attention.scaling)

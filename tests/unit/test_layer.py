@@ -68,9 +68,10 @@ def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator)
 
 
 class Layer:
-    """A random decoder layer's weights: `heads` query heads on half as many key/value heads, q/k/v with biases."""
+    """A random decoder layer's weights: `heads` query heads on half as many key/value heads, q/k/v with biases,
+    and with `head_norms` Qwen3's query and key norms."""
 
-    def __init__(self, fmt, width: int, intermediate: int, seed: int, heads: int = 4):
+    def __init__(self, fmt, width: int, intermediate: int, seed: int, heads: int = 4, head_norms: bool = False):
         generator = torch.Generator().manual_seed(seed)
         self.fmt, self.width = fmt, width
         kv_width = heads // 2 * HEAD_DIM
@@ -81,6 +82,8 @@ class Layer:
         # o, gate, up and down have no bias in Qwen2.
         self.products[3:] = [(weight, scales, None) for weight, scales, _ in self.products[3:]]
         self.norms = [(torch.rand(width, generator=generator) + 0.5).bfloat16() for _ in range(2)]
+        self.head_norms = [(torch.rand(HEAD_DIM, generator=generator) + 0.5).bfloat16()
+                           for _ in range(2)] if head_norms else []
 
     def arguments(self, first: int, last: int) -> tuple:
         """Return products first..last-1 as the fused operators take them."""
@@ -107,6 +110,9 @@ def one_by_one(layer: Layer, hidden, cos, sin):
     attention's output (the attention kernel has its own tests)."""
     states = torch.ops.corechat.rms_norm(hidden, layer.norms[0], EPS)
     query, key, value = (layer.product(index, states) for index in range(3))
+    if layer.head_norms:
+        query, key = (torch.ops.corechat.rms_norm(states.view(-1, HEAD_DIM), weight, EPS).view(states.shape)
+                      for states, weight in zip((query, key), layer.head_norms))
     query, key = rotary(query, cos, sin), rotary(key, cos, sin)
     attended = query[:, : layer.width].contiguous()
     summed = hidden + layer.product(3, attended)
@@ -117,8 +123,9 @@ def one_by_one(layer: Layer, hidden, cos, sin):
 
 def fused(layer: Layer, hidden, cos, sin):
     """Run the same through the fused operators."""
+    query_norm, key_norm = layer.head_norms or (None, None)
     inputs = torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, *layer.arguments(0, 3), cos, sin,
-                                                 HEAD_DIM)
+                                                 HEAD_DIM, query_norm=query_norm, key_norm=key_norm, head_eps=EPS)
     attended = inputs[0][:, : layer.width].contiguous()
     out = torch.ops.corechat.mlp(hidden, attended, layer.norms[1], EPS, *layer.arguments(3, 7))
     return tuple(inputs), out
@@ -154,6 +161,14 @@ def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_qwen3_head_norms_give_the_bits_of_corechats_norm_on_each_head_before_the_rotary(fmt, rows):
+    """Qwen3's q_norm and k_norm: each head of each row through corechat's RMSNorm, then the rotary."""
+    layer = Layer(fmt, width=256, intermediate=640, seed=200 + rows, head_norms=True)
+    assert_fused_as_one_by_one(layer, rows, seed=rows)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
     """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
@@ -180,6 +195,9 @@ def test_fused_operators_refuse_mismatched_arguments():
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights, scales, biases, outputs, code,
                                             cos[:1], sin[:1], HEAD_DIM)
+    with pytest.raises(RuntimeError, match="head norm weight must be a contiguous bfloat16 vector of 64"):
+        torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights, scales, biases, outputs, code,
+                                            cos, sin, HEAD_DIM, query_norm=layer.norms[0], head_eps=EPS)
     with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16 vector"):
         torch.ops.corechat.rms_norm(hidden, layer.norms[0][:64], EPS)
     with pytest.raises(RuntimeError, match="contiguous bfloat16 matrix"):
@@ -201,10 +219,13 @@ def test_run_products_runs_every_registered_product_and_refuses_what_it_cannot(f
             biases.append(bias)
         outputs += layer.outputs
     model = torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fmt.code, HEAD_DIM,
-                                               HEAD_DIM ** -0.5)
+                                               HEAD_DIM ** -0.5, [], [])
     for rows in (1, 5):
         assert torch.ops.corechat.run_products(model, rows) is None
     with pytest.raises(RuntimeError, match="rows must be above 0"):
         torch.ops.corechat.run_products(model, 0)
     with pytest.raises(RuntimeError, match="no registered layers"):
         torch.ops.corechat.run_products(model + 1000, 1)
+    with pytest.raises(RuntimeError, match="head norms are two per layer"):
+        torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fmt.code, HEAD_DIM,
+                                           HEAD_DIM ** -0.5, layers[0].norms, [EPS])

@@ -1,8 +1,8 @@
-// A quantized Qwen2 decoder layer's work around its products, in three operators, so that a layer
-// costs the interpreter three calls instead of dozens: torch.ops.corechat.rms_norm,
-// .attention_inputs (norm, q/k/v products, rotary) and .mlp (output product, residual, norm,
-// gate/up products, SiLU, down product, residual); and .run_layers, every layer of a model
-// (.register_layers) with the paged attention between, in one call.
+// A quantized Qwen2 (or Qwen3, Llama) decoder layer's work around its products, in three operators, so
+// that a layer costs the interpreter three calls instead of dozens: torch.ops.corechat.rms_norm,
+// .attention_inputs (norm, q/k/v products, Qwen3's per-head q/k norms, rotary) and .mlp (output
+// product, residual, norm, gate/up products, SiLU, down product, residual); and .run_layers, every
+// layer of a model (.register_layers) with the paged attention between, in one call.
 //
 // Each element is computed as transformers computes it, in float32 and rounded to bfloat16 after
 // every operation it rounds after (the rotary's products and sum, the residual sums, the norm's
@@ -106,6 +106,23 @@ void rotate(at::Tensor& states, int64_t head_dim, const at::Tensor& cos, const a
     });
 }
 
+// Qwen3's q_norm or k_norm, in place: each head of every row through norm_row, as Qwen3RMSNorm runs over
+// the last dimension of [rows, heads, head_dim] (its mean summed in norm_row's order, like every norm here).
+void norm_heads(at::Tensor& states, int64_t head_dim, const at::Tensor& weight, double eps) {
+    check_vector(weight, head_dim, "head norm weight");
+    const int64_t rows = states.size(0), width = states.size(1);
+    uint16_t* data = mutable_bits(states);
+    const uint16_t* w = bits(weight);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row)
+            for (int64_t start = 0; start < width; start += head_dim) {
+                // norm_row reads every element before it writes the first, so in place is safe.
+                uint16_t* head = data + row * width + start;
+                norm_row(head, w, head_dim, static_cast<float>(eps), head);
+            }
+    });
+}
+
 // sum = bf16(sum + addend), elementwise, in place.
 void add_into(at::Tensor& sum, const at::Tensor& addend) {
     const int64_t count = sum.numel();
@@ -140,13 +157,16 @@ struct Products {
     }
 };
 
-// Norm, then the query, key and value products, then the rotary on the queries and keys:
-// [rows, heads * head_dim], [rows, kv_heads * head_dim] twice. cos and sin are [rows, head_dim].
+// Norm, then the query, key and value products, then (Qwen3) each query and key head's norm, then
+// the rotary on the queries and keys: [rows, heads * head_dim], [rows, kv_heads * head_dim] twice.
+// cos and sin are [rows, head_dim].
 std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                                          const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                                          const c10::List<std::optional<at::Tensor>>& biases,
                                          const std::vector<int64_t>& outputs, int64_t format, const at::Tensor& cos,
-                                         const at::Tensor& sin, int64_t head_dim) {
+                                         const at::Tensor& sin, int64_t head_dim,
+                                         const std::optional<at::Tensor>& query_norm,
+                                         const std::optional<at::Tensor>& key_norm, double head_eps) {
     const Products products(weights, scales, biases, outputs, format, 3, "attention_inputs");
     check_matrix(hidden, "hidden");
     check_matrix(cos, "cos");
@@ -160,6 +180,8 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
     // Rounded once for the three products.
     const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps), format);
     std::vector<at::Tensor> results = products.apply({0, 1, 2}, states);
+    if (query_norm.has_value()) norm_heads(results[0], head_dim, *query_norm, head_eps);
+    if (key_norm.has_value()) norm_heads(results[1], head_dim, *key_norm, head_eps);
     rotate(results[0], head_dim, cos, sin);
     rotate(results[1], head_dim, cos, sin);
     return results;
@@ -198,6 +220,9 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
 struct LayerArguments {
     at::Tensor attention_norm, mlp_norm;
     double attention_eps, mlp_eps;
+    // Qwen3's query and key norms; empty for a decoder without them.
+    std::optional<at::Tensor> query_norm, key_norm;
+    double head_eps = 0.0;
     std::vector<at::Tensor> attention_weights, attention_scales, mlp_weights, mlp_scales;
     c10::List<std::optional<at::Tensor>> attention_biases, mlp_biases;
     std::vector<int64_t> attention_outputs, mlp_outputs;
@@ -215,13 +240,19 @@ std::vector<std::shared_ptr<const RegisteredLayers>> registry;
 constexpr size_t kAttentionProducts = 3, kMlpProducts = 4, kProducts = kAttentionProducts + kMlpProducts;
 
 // Keep a model's layers for run_layers: per layer its two norms' weights and epsilons, then its
-// products q, k, v, o, gate, up, down (weights, scales, biases, outputs), layer after layer.
+// products q, k, v, o, gate, up, down (weights, scales, biases, outputs), layer after layer; and,
+// for Qwen3, its query and key norms' weights (two a layer) and their epsilon (one a layer).
 int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<double>& epsilons,
                         const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                         const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
-                        int64_t format, int64_t head_dim, double scaling) {
+                        int64_t format, int64_t head_dim, double scaling, const std::vector<at::Tensor>& head_norms,
+                        const std::vector<double>& head_epsilons) {
     const size_t count = norms.size() / 2;
     TORCH_CHECK(count > 0 && norms.size() == 2 * count && epsilons.size() == 2 * count, "two norms per layer");
+    TORCH_CHECK((head_norms.empty() && head_epsilons.empty()) ||
+                (head_norms.size() == 2 * count && head_epsilons.size() == count),
+                "head norms are two per layer with one epsilon, or none");
+    for (const at::Tensor& norm : head_norms) check_vector(norm, head_dim, "head norm weight");
     TORCH_CHECK(weights.size() == kProducts * count && scales.size() == weights.size() && biases.size() == weights.size() &&
                 outputs.size() == weights.size(), "seven products per layer");
     TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
@@ -235,6 +266,11 @@ int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<
         arguments.mlp_norm = norms[2 * layer + 1];
         arguments.attention_eps = epsilons[2 * layer];
         arguments.mlp_eps = epsilons[2 * layer + 1];
+        if (!head_norms.empty()) {
+            arguments.query_norm = head_norms[2 * layer];
+            arguments.key_norm = head_norms[2 * layer + 1];
+            arguments.head_eps = head_epsilons[layer];
+        }
         for (size_t index = 0; index < kProducts; ++index) {
             const size_t at = kProducts * layer + index;
             const bool before = index < kAttentionProducts;
@@ -269,7 +305,8 @@ at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor&
         const LayerArguments& layer = layers->layers[index];
         std::vector<at::Tensor> projected = attention_inputs(
             states, layer.attention_norm, layer.attention_eps, layer.attention_weights, layer.attention_scales,
-            layer.attention_biases, layer.attention_outputs, layers->format, cos, sin, head_dim);
+            layer.attention_biases, layer.attention_outputs, layers->format, cos, sin, head_dim, layer.query_norm,
+            layer.key_norm, layer.head_eps);
         at::Tensor attended = paged_attention(projected[0].view({rows, -1, head_dim}), projected[1].view({rows, -1, head_dim}),
                                               projected[2].view({rows, -1, head_dim}), pool, static_cast<int64_t>(index),
                                               tables, row_sequences, positions, layers->scaling, 0);
@@ -311,12 +348,14 @@ void run_products(int64_t model, int64_t rows) {
 TORCH_LIBRARY_FRAGMENT(corechat, m) {
     m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor", rms_norm);
     m.def("attention_inputs(Tensor hidden, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
-          "Tensor?[] biases, int[] outputs, int format, Tensor cos, Tensor sin, int head_dim) -> Tensor[]",
+          "Tensor?[] biases, int[] outputs, int format, Tensor cos, Tensor sin, int head_dim, "
+          "Tensor? query_norm=None, Tensor? key_norm=None, float head_eps=0.0) -> Tensor[]",
           attention_inputs);
     m.def("mlp(Tensor hidden, Tensor attended, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
           "Tensor?[] biases, int[] outputs, int format) -> Tensor", mlp);
     m.def("register_layers(Tensor[] norms, float[] epsilons, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
-          "int[] outputs, int format, int head_dim, float scaling) -> int", register_layers);
+          "int[] outputs, int format, int head_dim, float scaling, Tensor[] head_norms, "
+          "float[] head_epsilons) -> int", register_layers);
     m.def("run_layers(int model, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor tables, "
           "Tensor row_sequences, Tensor positions) -> Tensor", run_layers);
     m.def("run_products(int model, int rows) -> ()", run_products);
