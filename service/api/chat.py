@@ -18,6 +18,7 @@ from ..engine import (
     Generation,
     GrammarRefused,
     KvScope,
+    ReasoningMarkers,
     TemplateRefused,
     TextDelta,
     TokenLogprob,
@@ -29,6 +30,7 @@ from .constraints import Constraint, chat_constraint, refused_when_compiled
 from .legacy_functions import as_tools_request, function_call_delta
 from .limits import check_message_count, check_prompt_text, check_prompt_tokens
 from .naming import resolve_model_name
+from .reasoning import ReasoningParser
 from .responses import AssistantMessage, ChatCompletion, Choice
 from .sampling_params import SamplingResolver
 from .serving import (
@@ -54,10 +56,16 @@ class PreparedChat(PreparedReply):
     request: ChatCompletionRequest
     # The grammar the reply follows and the field that asked for it, or None for free text.
     constraint: Constraint | None
+    # How the reply marks its thinking, or None for a model that never thinks (its reply is content alone).
+    reasoning: ReasoningMarkers | None
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """Return a parser of the reply's tool-call blocks when the model was offered tools, else None."""
         return ToolCallParser() if self.request.tools_offered else None
+
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """Return a parser that splits the reply's thinking from its content when the model thinks, else None."""
+        return ReasoningParser(self.reasoning) if self.reasoning is not None else None
 
 
 def render_logprob(entry: TokenLogprob) -> dict:
@@ -68,6 +76,14 @@ def render_logprob(entry: TokenLogprob) -> dict:
         "bytes": list(entry.bytes),
         "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in entry.top],
     }
+
+
+@dataclass(frozen=True)
+class ReplyParsers:
+    """One choice's parsers: its thinking split off first, then its tool calls parsed out of the rest."""
+
+    reasoning: ReasoningParser | None
+    tool_calls: ToolCallParser | None
 
 
 class ChatCompletions(SamplingResolver):
@@ -91,7 +107,7 @@ class ChatCompletions(SamplingResolver):
                                  param="tools")
         constraint = chat_constraint(request, self.engine.template)
         try:
-            prompt_ids = self.engine.template.encode_chat(messages, tools)
+            prompt_ids = self.engine.template.encode_chat(messages, tools, enable_thinking=request.enable_thinking)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
         check_prompt_tokens(len(prompt_ids), self.settings)
@@ -102,6 +118,7 @@ class ChatCompletions(SamplingResolver):
         return PreparedChat(
             request=request,
             constraint=constraint,
+            reasoning=self.engine.template.reasoning_markers(prompt_ids),
             prompt_ids=prompt_ids,
             choice_params=choice_params(params, request.choice_count),
             completion_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -146,7 +163,7 @@ class ChatCompletions(SamplingResolver):
         The source is cancelled in `finally`, so a client that goes away frees its engine slot.
         """
         count = len(prepared.choice_params)
-        parsers = [prepared.tool_call_parser() for _ in range(count)]
+        parsers = [ReplyParsers(prepared.reasoning_parser(), prepared.tool_call_parser()) for _ in range(count)]
         # Entries of tokens whose text is still held back go out with the choice's next chunk.
         held: list[list[dict]] = [[] for _ in range(count)]
         try:
@@ -183,7 +200,7 @@ class ChatCompletions(SamplingResolver):
         finally:
             source.cancel()
 
-    def _end_choice(self, prepared: PreparedChat, index: int, parser: ToolCallParser | None, held: list[dict],
+    def _end_choice(self, prepared: PreparedChat, index: int, parser: ReplyParsers, held: list[dict],
                     finished: Finished):
         """Yield the SSE text that ends one choice: its held-back text and entries, then its finish reason."""
         for delta in self._deltas(prepared, parser, None):
@@ -191,16 +208,26 @@ class ChatCompletions(SamplingResolver):
             held = []
         if held:
             yield sse_data(self._chunk(prepared, {}, logprobs=held, index=index))
-        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser), index=index))
+        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser.tool_calls),
+                                   index=index))
 
     @staticmethod
-    def _deltas(prepared: PreparedChat, parser: ToolCallParser | None, text: str | None) -> list[dict]:
-        """Return the deltas a piece of text makes (None: the end of the reply), tool-call blocks parsed out
-        (as the legacy `function_call` for a request that sent `functions`)."""
+    def _deltas(prepared: PreparedChat, parsers: ReplyParsers, text: str | None) -> list[dict]:
+        """Return the deltas a piece of text makes (None: the end of the reply): the thinking split off first,
+        then tool-call blocks parsed out of the rest (as the legacy `function_call` for a request that sent
+        `functions`)."""
+        ending, reasoning = text is None, ""
+        if parsers.reasoning is not None:
+            reasoning, text = parsers.reasoning.finish() if ending else parsers.reasoning.feed(text)
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        parser = parsers.tool_calls
         if parser is None:
-            return [{"content": text}] if text else []
-        content, calls = parser.feed(text) if text is not None else parser.finish()
-        deltas = [{"content": content}] if content else []
+            return deltas + ([{"content": text}] if text else [])
+        content, calls = parser.feed(text) if text else ("", [])
+        if ending:
+            rest, last_calls = parser.finish()
+            content, calls = content + rest, calls + last_calls
+        deltas += [{"content": content}] if content else []
         if calls and prepared.request.legacy_functions:
             piece = function_call_delta(calls)
             deltas += [{"function_call": piece}] if piece is not None else []
@@ -245,20 +272,26 @@ class ChatCompletions(SamplingResolver):
 
     def _choice(self, prepared: PreparedChat, index: int, text: str, logprobs: list[dict],
                 finished: Finished) -> Choice:
-        """Build one choice of a whole reply: its text, tool calls (or legacy function call) and finish reason."""
-        calls = []
+        """Build one choice of a whole reply: its thinking, text, tool calls (or legacy function call) and finish
+        reason."""
+        calls, thinking = [], {}
+        reasoning_parser = prepared.reasoning_parser()
+        if reasoning_parser is not None:
+            (reasoning, content), (more_reasoning, rest) = reasoning_parser.feed(text), reasoning_parser.finish()
+            text = content + rest
+            thinking = {"reasoning_content": reasoning + more_reasoning} if reasoning or more_reasoning else {}
         parser = prepared.tool_call_parser()
         if parser is not None:
             content, deltas = parser.feed(text)
             rest, last_deltas = parser.finish()
             text, calls = content + rest, merge_deltas(deltas + last_deltas)
         if calls and prepared.request.legacy_functions:
-            message = AssistantMessage(role="assistant", content=text or None,
+            message = AssistantMessage(role="assistant", content=text or None, **thinking,
                                        function_call=CalledFunction(**calls[0]["function"]))
         elif calls:
-            message = AssistantMessage(role="assistant", content=text or None, tool_calls=calls)
+            message = AssistantMessage(role="assistant", content=text or None, **thinking, tool_calls=calls)
         else:
-            message = AssistantMessage(role="assistant", content=text)
+            message = AssistantMessage(role="assistant", content=text, **thinking)
         return Choice(
             index=index,
             message=message,

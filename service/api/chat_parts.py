@@ -17,6 +17,17 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
 
 
+class ChatTemplateKwargs(StrictModel):
+    """Variables for the model's chat template (vLLM's and llama.cpp's `chat_template_kwargs`)."""
+
+    # Only variables corechat passes on are taken: another would reach no template, so it is refused by name.
+    model_config = ConfigDict(extra="forbid")
+
+    enable_thinking: bool | None = Field(None, description=(
+        "Qwen3's switch: false renders an empty `<think></think>` block so the model answers at once; true or "
+        "absent lets it think first. A template without the variable ignores it."))
+
+
 class TextPart(StrictModel):
     """One text part of a message given as a list of parts."""
 

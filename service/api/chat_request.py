@@ -9,6 +9,7 @@ from ..errors import InvalidRequest
 from . import nesting
 from .chat_parts import (
     ChatMessage,
+    ChatTemplateKwargs,
     FunctionChoice,
     FunctionDefinition,
     GrammarFields,
@@ -32,6 +33,9 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_CACHE_SALT_CHARS = 256
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 INT64 = 2**63 - 1
+# OpenAI's reasoning_effort values, and those that mean no thinking for a model that can only think or not.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+EFFORTS_WITHOUT_THINKING = ("none", "minimal")
 StopString = Annotated[str, StringConstraints(min_length=1)]
 
 
@@ -131,6 +135,10 @@ class ChatCompletionRequest(SamplingFields, GrammarFields):
     # Declared to be refused, not silently dropped: the model reads and writes text only.
     modalities: list[Literal["text", "audio"]] | None = Field(None, description="Only [\"text\"].")
     audio: dict[str, Any] | None = Field(None, description="Refused: the model writes text only.")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: ReasoningEffort | None = Field(None, description=(
+        "For a model that thinks (Qwen3): none and minimal turn thinking off, low to xhigh leave it on (it has no "
+        "budget between). chat_template_kwargs.enable_thinking, when given, decides instead."))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -141,6 +149,16 @@ class ChatCompletionRequest(SamplingFields, GrammarFields):
     def max_tokens_param(self) -> str:
         """Return the name of the field that set the reply's length, for errors about it."""
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    @property
+    def enable_thinking(self) -> bool | None:
+        """Return what the template is told of thinking: chat_template_kwargs.enable_thinking, else what
+        reasoning_effort means, else None (the template's own default)."""
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort not in EFFORTS_WITHOUT_THINKING
+        return None
 
     @property
     def include_usage(self) -> bool:

@@ -87,6 +87,8 @@ class AssistantMessage(_Response):
 
     role: Literal["assistant"]
     content: str | None
+    # A thinking model's thinking (Qwen3's <think> block), apart from the content, as llama.cpp and vLLM give it.
+    reasoning_content: str = omitted()
     tool_calls: Annotated[list[ToolCall], Field(min_length=1)] = omitted()
     function_call: CalledFunction = omitted()
 
@@ -130,11 +132,13 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    """What a chunk adds to the reply: the role first, then content or tool-call pieces (for a request that sent
-    the legacy `functions`, `function_call` pieces: the name first, then `arguments` text)."""
+    """What a chunk adds to the reply: the role first, then reasoning (a thinking model's), content or tool-call
+    pieces (for a request that sent the legacy `functions`, `function_call` pieces: the name first, then
+    `arguments` text)."""
 
     role: Literal["assistant"] = omitted()
     content: str = omitted()
+    reasoning_content: str = omitted()
     tool_calls: Annotated[list[DeltaToolCall], Field(min_length=1)] = omitted()
     function_call: DeltaFunctionCall = omitted()
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     )
     from .loading import ModelNotFound
     from .sampling import SamplingParams, choice_seed
-    from .template import TemplateRefused
+    from .template import ReasoningMarkers, TemplateRefused
     from .text import TokenLogprob
 
 # Each public name and the submodule that defines it.
@@ -53,6 +53,7 @@ _EXPORTS = {
     "KvScope": ".events",
     "ModelNotFound": ".loading",
     "PromptLogprobs": ".events",
+    "ReasoningMarkers": ".template",
     "SamplingParams": ".sampling",
     "Started": ".events",
     "TemplateRefused": ".template",
