@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, Qwen3ForCausalLM
 
 from devtools.devmodel import build_dev_model
+from service.app import create_app
 from tests.app.test_batch_invariance import decode, random_prompts
 from tests.app.test_qwen2 import KERNEL_ATTENTION
 from tests.support import started_engine
@@ -100,3 +101,21 @@ def test_a_qwen3_rows_logits_are_the_same_bits_alone_and_in_batches(qwen3_settin
         for index, row in enumerate(order):
             for step, logits in enumerate(together[index]):
                 assert torch.equal(logits, alone[row][step]), (dtype, row, step)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_repeated_qwen3_prompt_reuses_its_stored_prefix_and_replies_the_same(qwen3_settings, dtype):
+    """The prefix store serves Qwen3 as Qwen2: the second pass takes the first's KV pages and, its rows not
+    depending on how the prompt was cut (int8, int4), gives the same reply."""
+    settings = qwen3_settings(dtype=dtype, max_model_len=1024)
+    with started_engine(settings) as engine:
+        client = create_app(settings, engine=engine).test_client()
+        body = {"messages": [{"role": "user", "content": "Tell me about CPUs. " * 60}], "max_tokens": 8,
+                "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+        # no-cache keeps the response cache out of it, so the second reply is generated again.
+        first, second = (client.post("/v1/chat/completions", json=body, headers={"Cache-Control": "no-cache"})
+                         .get_json() for _ in range(2))
+        assert first["usage"]["prompt_tokens"] > 256
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        assert second["choices"][0]["message"] == first["choices"][0]["message"]
