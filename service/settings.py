@@ -91,6 +91,14 @@ class Settings(BaseSettings):
         "work it does between two of their tokens is cut to about this long, at the prompt speed it last "
         "measured (at least 16 tokens, at most PREFILL_CHUNK_TOKENS); 0 cuts by PREFILL_CHUNK_TOKENS alone."
     )
+    speculative_tokens: int = Field(
+        0, ge=0, le=16, description="Draft tokens a decoding stream proposes per step from its own prompt and "
+        "reply (where its last tokens occurred before, the tokens that followed them), checked in the same "
+        "forward as its next token; the drafts the sampler would have chosen are taken, so replies are the "
+        "same bytes, only sooner on text that repeats its prompt. int8 and int4 only (their rows do not "
+        "depend on the batch), never while requests wait or the batch is full: a step runs at most "
+        "MAX_RUNNING rows. 0 turns it off (docs/performance.md)."
+    )
     kv_cache_mb: int = Field(
         1024, ge=1, description="Memory per worker for the KV state of running sequences, in pages of 64 "
         "tokens. A request starts only when the pages of its prompt plus max_tokens (each choice's) are free, "

@@ -78,6 +78,9 @@ class Finished:
     cached_prompt_tokens: int = 0
     # True when the response cache served the reply: the timings are not the engine's.
     cached: bool = False
+    # Draft tokens of speculative steps (speculation.py) taken into the reply, and those not taken.
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -251,4 +254,6 @@ class ChoiceGroup(EventSource):
             prompt_seconds=first.prompt_seconds,
             decode_seconds=max(event.decode_seconds for event in ended),
             cached_prompt_tokens=first.cached_prompt_tokens,
+            accepted_draft_tokens=sum(event.accepted_draft_tokens for event in ended),
+            rejected_draft_tokens=sum(event.rejected_draft_tokens for event in ended),
         )

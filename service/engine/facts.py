@@ -41,6 +41,9 @@ class EngineFacts:
     shared_prefix_hits: int | None = None
     largest_batch: int | None = None
     decode_overhead_fraction: float | None = None
+    # Draft tokens of speculative steps taken into replies and not taken, since the engine started.
+    accepted_draft_tokens: int | None = None
+    rejected_draft_tokens: int | None = None
     slot: int | None = None
     workers: int | None = None
     lends_cores: bool | None = None

@@ -31,6 +31,9 @@ class SequenceModel(Protocol):
     pool: PagePool
     # Names how read() lays KV state out, so stored sequences of another layout are never loaded.
     kv_layout: str
+    # Whether a row's logits are the same bits whatever else its forward runs (corechat's int8 and int4
+    # kernels): only then are a step's draft rows what single steps would give (speculation.py).
+    exact_rows: bool
 
     def reserve(self, tokens: int) -> object:
         """Take room for a sequence of at most `tokens` tokens (the pool must have it free)."""
@@ -70,6 +73,8 @@ class PagedModel:
         if page_tokens != PAGE_TOKENS:
             raise RuntimeError(f"the kernels' pages hold {page_tokens} tokens, memory.PAGE_TOKENS {PAGE_TOKENS}")
         self.lean = lean
+        # bfloat16 runs torch's products, which choose their kernels by the number of rows.
+        self.exact_rows = lean.fused is not None
         self.pool = PagePool(budget, lean.shape)
         # The batch's tables, rebuilt only when its sequences change: [sequences, widest table], and
         # the tables they were built from (held, so that no other sequence's can take their place).
@@ -115,23 +120,47 @@ class PagedModel:
 
     def decode(self, kvs: list[SequencePages], token_ids: list[int]) -> torch.Tensor:
         """Run one token of each sequence as a row of one batch."""
+        rows = Rows(self._batch_tables(kvs), torch.arange(len(kvs)), torch.tensor([kv.length for kv in kvs]))
+        logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, 0)
+        for kv in kvs:
+            kv.length += 1
+        return logits
+
+    def decode_rows(self, kvs: list[SequencePages], inputs: list[list[int]]) -> torch.Tensor:
+        """Run each sequence's tokens as rows at its next positions, a prompt chunk's way, all sequences in one
+        batch; return every row's logits, a sequence's rows together in order."""
+        counts = [len(ids) for ids in inputs]
+        sequences = torch.repeat_interleave(torch.arange(len(kvs)), torch.tensor(counts))
+        positions = torch.cat([torch.arange(kv.length, kv.length + count) for kv, count in zip(kvs, counts, strict=True)])
+        rows = Rows(self._batch_tables(kvs), sequences, positions)
+        logits = lean_forward(self.lean, torch.tensor([token for ids in inputs for token in ids]), rows,
+                              self.pool.storage, 0)
+        for kv, count in zip(kvs, counts, strict=True):
+            kv.length += count
+        return logits
+
+    def rewind(self, kv: SequencePages, length: int) -> None:
+        """Forget a sequence's KV state past `length` tokens: the next row written there replaces it, and no row
+        attends past its own position."""
+        kv.length = length
+
+    def _batch_tables(self, kvs: list[SequencePages]) -> torch.Tensor:
+        """Return the batch's page tables, [sequences, widest table], rebuilt only when its sequences changed."""
         if len(kvs) != len(self._batch) or any(kv.table is not held for kv, held in zip(kvs, self._batch)):
             widest = max(kv.table.numel() for kv in kvs)
             self._tables = torch.zeros((len(kvs), widest), dtype=torch.long)
             for row, kv in enumerate(kvs):
                 self._tables[row, : kv.table.numel()] = kv.table
             self._batch = [kv.table for kv in kvs]
-        rows = Rows(self._tables, torch.arange(len(kvs)), torch.tensor([kv.length for kv in kvs]))
-        logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, 0)
-        for kv in kvs:
-            kv.length += 1
-        return logits
+        return self._tables
 
 
 class TransformersModel:
     """transformers' forward, a cache per sequence, decode steps a sequence at a time."""
 
     kv_layout = "tokens"
+    # transformers' products choose their kernels by the number of rows.
+    exact_rows = False
 
     def __init__(self, model, budget: KVBudget):
         self.model = model

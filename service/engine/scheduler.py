@@ -24,6 +24,7 @@ from .prompts import PROMPT_LOGPROBS_CHUNK_TOKENS, PromptPass, chunk_tokens, pro
 from .runners import SequenceModel
 from .sampling import Sampler, biased, sample_tokens
 from .sequences import Delivery, Sequence, places
+from .speculation import Speculator
 from .text import TextAssembler, TokenSpeller
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Scheduler:
         self.cores = cores
         self.delivery = Delivery(eos_ids, speller, facts)
         self.prompts = PromptPass(runner, prefixes, self.delivery, speller, facts)
+        self.speculator = (Speculator(runner, settings.speculative_tokens, self.delivery, facts)
+                           if runner.exact_rows and settings.speculative_tokens else None)
         # Sequences taken off the queue and not yet ended; read by other threads for /readyz and submit.
         self.running = 0
         # Prompt tokens taken off the queue and not yet through their pass; read by the worker's
@@ -75,7 +78,7 @@ class Scheduler:
                 self._drop_cancelled_waiting()
                 self._admit(active, prefilling)
                 self._prefill_some(active, prefilling)
-                self._decode_step(active)
+                self._decode_step(active, self._draft_rows(active, prefilling))
                 busy = self.running
                 self.running = len(active) + places(prefilling)
                 self.prompt_tokens_left = sum(len(sequence.next_input) for sequence in prefilling)
@@ -270,8 +273,16 @@ class Scheduler:
 
     # Decode steps ---------------------------------------------------------------------------
 
-    def _decode_step(self, active: list[Sequence]) -> None:
-        """Generate one token for every running sequence in one forward pass; drop those that end."""
+    def _draft_rows(self, active: list[Sequence], prefilling: list[Sequence]) -> int:
+        """Return the rows this step's drafts may add: those a full batch (MAX_RUNNING rows) would run, none
+        while a prompt is in its pass or a request waits (its place or pages not free)."""
+        if self.speculator is None or prefilling or not self.pending.empty():
+            return 0
+        return max(0, self.settings.max_running - len(active))
+
+    def _decode_step(self, active: list[Sequence], draft_rows: int = 0) -> None:
+        """Generate a token for every running sequence in one forward pass, more where its drafts (in up to
+        `draft_rows` extra rows) are what it would have chosen; drop those that end."""
         for sequence in active:
             if sequence.generation.cancelled:
                 sequence.in_batch = False
@@ -282,9 +293,13 @@ class Scheduler:
         self.facts.largest_batch = max(self.facts.largest_batch or 0, len(active))
         began = time.perf_counter()
         try:
+            drafted = self.speculator.propose(active, draft_rows) if self.speculator is not None else None
             with torch.inference_mode():
-                logits = self.runner.decode([sequence.kv for sequence in active],
-                                            [sequence.next_input[0] for sequence in active])
+                if drafted is None:
+                    logits = self.runner.decode([sequence.kv for sequence in active],
+                                                [sequence.next_input[0] for sequence in active])
+                else:
+                    logits = self.speculator.forward(active, drafted)
                 forward_done = time.perf_counter()
                 samplers = [sequence.sampler for sequence in active]
                 logits = biased(samplers, logits)
@@ -300,8 +315,12 @@ class Scheduler:
             self._release_all(active)
             active.clear()
             return
-        for sequence, token_id, logprob in zip(active, token_ids, logprobs, strict=True):
-            if not self.delivery.advance_or_fail(sequence, token_id, logprob) and sequence.final is None:
+        for index, (sequence, token_id, logprob) in enumerate(zip(active, token_ids, logprobs, strict=True)):
+            if drafted is not None and drafted.drafts[index]:
+                goes_on = self.speculator.take(sequence, token_id, logprob, drafted, index)
+            else:
+                goes_on = self.delivery.advance_or_fail(sequence, token_id, logprob)
+            if not goes_on and sequence.final is None:
                 sequence.in_batch = False  # failed: no reply to keep
         self._leave(active)
         self._count_decode_overhead(forward_done - began, time.perf_counter() - began)

@@ -4,6 +4,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from .drafts import PromptLookup
 from .events import Failed, Finished, Generation, TextDelta
 from .facts import EngineFacts
 from .logprobs import TokenLogprobs
@@ -43,6 +44,10 @@ class Sequence:
     # The other choices of a request with n > 1, waiting on this sequence's prompt pass (each with room
     # of its own, which the prompt's KV state is copied into when they join the batch).
     siblings: list["Sequence"] = field(default_factory=list)
+    # Its prompt and reply indexed for draft tokens, made at its first speculative step.
+    lookup: PromptLookup | None = None
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
     @property
     def group(self) -> list["Sequence"]:
@@ -145,6 +150,8 @@ class Delivery:
             prompt_seconds=sequence.prompt_seconds,
             decode_seconds=decode_seconds,
             cached_prompt_tokens=sequence.cached_prompt_tokens,
+            accepted_draft_tokens=sequence.accepted_draft_tokens,
+            rejected_draft_tokens=sequence.rejected_draft_tokens,
         )
         if sequence.in_batch and finish_reason != "cancelled":
             sequence.final = finished

@@ -52,6 +52,7 @@ TOKEN_LATENCY_BUCKETS = (
 # rate() over them works from the first scrape.
 KNOWN_OUTCOMES = ("stop", "length", "cancelled", "internal_error", "overloaded")
 CACHE_RESULTS = ("hit", "miss", "bypass", "error")
+DRAFT_OUTCOMES = ("accepted", "rejected")
 
 time_to_first_token_seconds = Histogram(
     "corechat_time_to_first_token_seconds",
@@ -88,6 +89,12 @@ prompt_tokens_total = Counter(
     "corechat_prompt_tokens", "Prompt tokens the engines processed (a continued reply's earlier tokens included)."
 )
 generation_tokens_total = Counter("corechat_generation_tokens", "Tokens the engines generated.")
+speculative_tokens_total = Counter(
+    "corechat_speculative_tokens",
+    "Draft tokens speculative decode steps checked (SPECULATIVE_TOKENS), by outcome: accepted (taken into the "
+    "reply, a step saved each) or rejected (a row computed for nothing).",
+    ["outcome"],
+)
 # What clients got without the engine working for them: the usage of replayed replies.
 replayed_prompt_tokens_total = Counter(
     "corechat_replayed_prompt_tokens",
@@ -137,6 +144,8 @@ for _outcome in KNOWN_OUTCOMES:
     requests_total.labels(_outcome)
 for _result in CACHE_RESULTS:
     cache_lookups_total.labels(_result)
+for _outcome in DRAFT_OUTCOMES:
+    speculative_tokens_total.labels(_outcome)
 
 
 def count_cache_lookup(result: str) -> None:

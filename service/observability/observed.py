@@ -48,6 +48,8 @@ class EngineWork(EventSource):
             # A reply of max_tokens 0 (a legacy completion's echo) had its prompt pass and no token.
             self._count(processed_prompt=event.completion_tokens > 0 or event.prompt_seconds > 0,
                         generated=max(0, event.completion_tokens - forced))
+            metrics.speculative_tokens_total.labels("accepted").inc(event.accepted_draft_tokens)
+            metrics.speculative_tokens_total.labels("rejected").inc(event.rejected_draft_tokens)
         elif isinstance(event, Failed):
             self._count(processed_prompt=self.sent_tokens > 0, generated=self.sent_tokens)
         return event

@@ -1,0 +1,47 @@
+"""Draft tokens from a sequence's own text (service/engine/drafts.py) and their share of a step's rows
+(service/engine/speculation.py)."""
+
+from service.engine.drafts import MOST_CANDIDATES, PromptLookup
+from service.engine.speculation import share_rows
+
+
+def test_the_tokens_after_the_latest_earlier_occurrence_of_the_longest_match_are_proposed():
+    # 7 9 occurs twice, but only the first follows 5 as the history's last three tokens do.
+    lookup = PromptLookup([5, 7, 9, 1, 2, 3, 8, 7, 9, 4, 4, 4, 5, 7])
+    assert lookup.propose([9], 3) == [1, 2, 3]
+    # Without a longer match, the most recent occurrence of the last token wins.
+    assert PromptLookup([3, 1, 4, 3, 2, 6, 0, 3]).propose([], 2) == [2, 6]
+
+
+def test_a_proposal_stops_at_the_history_end_and_at_most():
+    lookup = PromptLookup([1, 2, 3, 1, 2])
+    assert lookup.propose([], 8) == [3, 1, 2]
+    assert lookup.propose([], 1) == [3]
+    assert lookup.propose([], 0) == []
+
+
+def test_no_proposal_where_the_last_token_never_occurred_before():
+    assert PromptLookup([1, 2, 3]).propose([], 4) == []
+    assert PromptLookup([]).propose([], 4) == []
+
+
+def test_the_reply_is_indexed_as_it_grows():
+    lookup = PromptLookup([10, 11])
+    assert lookup.propose([12], 2) == []
+    assert lookup.propose([12, 10], 2) == [11, 12]
+    # The reply's own earlier tokens count as the prompt's do.
+    assert lookup.propose([12, 10, 11, 12, 40, 41, 12], 3) == [40, 41, 12]
+
+
+def test_a_common_token_is_looked_up_among_its_latest_occurrences_only():
+    # A 3-token match exists only before the last MOST_CANDIDATES occurrences of the last token: the
+    # latest occurrence (a 1-token match) proposes instead.
+    assert PromptLookup([1, 2, 0, 55] + [3, 0] * MOST_CANDIDATES + [1, 2, 0]).propose([], 1) == [1]
+    assert PromptLookup([1, 2, 0, 55] + [3, 0] * (MOST_CANDIDATES - 1) + [1, 2, 0]).propose([], 1) == [55]
+
+
+def test_rows_are_shared_evenly_among_the_sequences_that_propose():
+    proposals = [[1, 2, 3, 4], [], [5, 6, 7], [8]]
+    assert share_rows(proposals, 7) == [[1, 2, 3], [], [5, 6], [8]]
+    assert share_rows(proposals, 2) == [[1], [], [5], []]
+    assert share_rows(proposals, 0) == [[], [], [], []]
