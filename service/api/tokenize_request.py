@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .chat_parts import ChatMessage, StrictModel
+from .chat_parts import ChatMessage, ChatTemplateKwargs, StrictModel
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -21,6 +21,8 @@ class TokenizeRequest(StrictModel):
         "request's would be.")
     add_generation_prompt: bool = Field(
         True, description="With `messages`: end with the assistant's turn opening, as a chat request's prompt does.")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="With `messages`: the chat request's field of the same name (`enable_thinking`).")
     add_special_tokens: bool | None = Field(
         None, description="With text: add the tokenizer's own BOS/EOS tokens, for models that have them (vLLM's "
         "name; default true).")

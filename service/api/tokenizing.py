@@ -56,7 +56,9 @@ class Tokenization:
         messages = [message.for_template() for message in request.messages]
         check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
         try:
-            return self.engine.template.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+            kwargs = request.chat_template_kwargs
+            return self.engine.template.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                                    enable_thinking=kwargs.enable_thinking if kwargs else None)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
 

@@ -58,6 +58,15 @@ def test_enable_thinking_false_and_reasoning_effort_none_render_qwen3s_empty_thi
                          chat_template_kwargs={"enable_thinking": True}) == thinking
 
 
+def test_tokenize_renders_messages_with_the_same_thinking_switch_as_chat(qwen3_app):
+    """/tokenize counts what a chat request with the same messages and chat_template_kwargs is charged."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    client = qwen3_app.test_client()
+    counts = [client.post("/tokenize", json={"messages": USER, **fields}).get_json()["count"] for fields in ({}, off)]
+    assert counts == [prompt_tokens(qwen3_app), prompt_tokens(qwen3_app, **off)]
+    assert counts[1] == counts[0] + 4
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template_kwargs": {"enable_thinking": "false"}}, "chat_template_kwargs.enable_thinking"),
     ({"chat_template_kwargs": {"enable_thinking": 0}}, "chat_template_kwargs.enable_thinking"),
