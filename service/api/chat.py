@@ -200,15 +200,15 @@ class ChatCompletions(SamplingResolver):
         finally:
             source.cancel()
 
-    def _end_choice(self, prepared: PreparedChat, index: int, parser: ReplyParsers, held: list[dict],
+    def _end_choice(self, prepared: PreparedChat, index: int, parsers: ReplyParsers, held: list[dict],
                     finished: Finished):
         """Yield the SSE text that ends one choice: its held-back text and entries, then its finish reason."""
-        for delta in self._deltas(prepared, parser, None):
+        for delta in self._deltas(prepared, parsers, None):
             yield sse_data(self._chunk(prepared, delta, logprobs=held, index=index))
             held = []
         if held:
             yield sse_data(self._chunk(prepared, {}, logprobs=held, index=index))
-        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parser.tool_calls),
+        yield sse_data(self._chunk(prepared, {}, self._finish_reason(prepared, finished, parsers.tool_calls),
                                    index=index))
 
     @staticmethod
