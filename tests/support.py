@@ -1,8 +1,11 @@
 """Helpers of the tests alone; what the benchmarks drive corechat with too lives in harness/."""
 
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 # The key the `keyed_server` fixture asks for.
 TEST_API_KEY = "sk-corechat-test-key"
@@ -55,3 +58,31 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# Qwen3's generation prompt, and the one of templates that open the thinking themselves (Qwen3-Thinking-2507's,
+# DeepSeek-R1's): with it, a random-weight model's every reply is thinking, which no grammar field of the
+# Responses API could make it write.
+QWEN3_GENERATION_PROMPT = """    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}"""
+OPENED_GENERATION_PROMPT = """    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}"""
+
+
+def thinking_opened_by_the_prompt(folder: Path, into: Path) -> Path:
+    """Copy a Qwen3 model folder with a template that ends its generation prompt with `<think>\\n` unless told not
+    to think."""
+    shutil.copytree(folder, into)
+    config_path = into / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert QWEN3_GENERATION_PROMPT in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(QWEN3_GENERATION_PROMPT, OPENED_GENERATION_PROMPT)
+    config_path.write_text(json.dumps(config))
+    template_path = into / "chat_template.jinja"
+    if template_path.exists():
+        template_path.write_text(config["chat_template"])
+    return into

@@ -100,7 +100,8 @@ class ChatCompletions(SamplingResolver):
         request = as_tools_request(request)
         check_message_count(len(request.messages), self.settings)
         messages = [message.for_template() for message in request.messages]
-        check_prompt_text("".join(message["content"] + message.get("name", "") for message in messages))
+        check_prompt_text("".join(message["content"] + message.get("name", "") + message.get("reasoning_content", "")
+                                  for message in messages))
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools_offered]
         if tools and not self.engine.template.supports_tools:
             raise InvalidRequest("the model's chat template does not support tools; send the request without 'tools'",

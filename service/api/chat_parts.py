@@ -61,6 +61,9 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: CalledFunction | None = None
+    # An assistant message's thinking given back (as llama.cpp and vLLM take it): the template decides whether the
+    # model reads it again (Qwen3's keeps only the thinking of the turns after the last user message).
+    reasoning_content: str | None = None
 
     @property
     def text(self) -> str:
@@ -86,6 +89,8 @@ class ChatMessage(StrictModel):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None and role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

@@ -230,7 +230,9 @@ def test_tool_choice_none_answers_in_text(client):
 @pytest.mark.parametrize("body, param", [
     ({"input": "Hi", "background": True}, "background"),
     ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+    ({"input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ({"input": "Hi", "reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
+    ({"input": "Hi", "reasoning": {"effort": "low", "budget_tokens": 64}}, "reasoning.budget_tokens"),
     ({"input": "Hi", "truncation": "auto"}, "truncation"),
     ({"input": "Hi", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
@@ -248,7 +250,10 @@ def test_tool_choice_none_answers_in_text(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "Sums."}]},
+                {"role": "user", "content": "Hi"}]},
+     "input[0].summary"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
 ])
 def test_unsupported_fields_and_built_in_tools_are_refused_by_name(client, body, param):
     reply = create(client, **body)
@@ -263,6 +268,8 @@ def test_unsupported_fields_and_built_in_tools_are_refused_by_name(client, body,
     ({}, "input", "'input' is a required property"),
     ({"input": []}, "input", "at least one item"),
     ({"input": "Hi", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": "Hi", "reasoning": {"effort": "max"}}, "reasoning.effort", "expected"),
+    ({"input": "Hi", "reasoning": "high"}, "reasoning", "valid dictionary"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "expected"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments",
      "must be a JSON object"),

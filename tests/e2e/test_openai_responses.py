@@ -1,15 +1,17 @@
 """The Responses API through the official `openai` client against real Gunicorn (two workers) and a real Redis:
 whole, streamed (also through the client's own event accumulator), stored and retrieved across workers,
-continued with previous_response_id, function calls answered, and another API key kept out."""
+continued with previous_response_id, function calls answered, and another API key kept out; and a thinking
+model's reasoning item, typed by the client."""
 
 import json
 
 import openai
 import pytest
 from jsonschema import Draft202012Validator
+from openai.types.responses import ResponseReasoningItem
 from pydantic import BaseModel, Field
 
-from tests.support import openai_client
+from tests.support import openai_client, thinking_opened_by_the_prompt
 
 KEYS = ("sk-responses-first", "sk-responses-second")
 NUMBER_PARAMETERS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -125,4 +127,33 @@ def test_built_in_tools_and_unsupported_fields_are_bad_requests_naming_them(clie
     assert refused.value.body["param"] == "tools[0].type"
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(input="Think.", reasoning={"effort": "high", "summary": "auto"}, **GREEDY)
-    assert refused.value.body["param"] == "reasoning"
+    assert refused.value.body["param"] == "reasoning.summary"
+
+
+@pytest.fixture(scope="module")
+def thinking_client(gunicorn, tmp_path_factory):
+    """Return an openai client of corechat (one worker, nothing kept) on the tiny Qwen3 whose prompt opens the
+    thinking, so that its replies are thinking."""
+    from devtools.devmodel import build_dev_model
+
+    built = build_dev_model(tmp_path_factory.mktemp("qwen3-base") / "qwen3-tiny", preset="qwen3-tiny")
+    folder = thinking_opened_by_the_prompt(built, tmp_path_factory.mktemp("qwen3-opened") / "qwen3-opened")
+    with gunicorn(workers=1, warmup=False, model=str(folder), model_name="qwen3-tiny") as server:
+        yield openai_client(server)
+
+
+def test_a_thinking_models_reasoning_item_is_chats_reasoning_content_whole_and_streamed(thinking_client):
+    body = {"input": "What is 2 + 2?", "max_output_tokens": 12, "model": "qwen3-tiny", "temperature": 0}
+    whole = thinking_client.responses.create(**body)
+    reasoning, message = whole.output
+    assert isinstance(reasoning, ResponseReasoningItem) and reasoning.id.startswith("rs_") and reasoning.summary == []
+    chat = thinking_client.chat.completions.create(messages=[{"role": "user", "content": body["input"]}],
+                                                   max_tokens=12, model="qwen3-tiny", temperature=0)
+    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    assert message.type == "message" and whole.output_text == chat.choices[0].message.content
+    events = list(thinking_client.responses.create(**body, stream=True))
+    deltas = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert [deltas] == [event.text for event in events if event.type == "response.reasoning_text.done"]
+    assert deltas == reasoning.content[0].text == events[-1].response.output[0].content[0].text
+    unthinking = thinking_client.responses.create(**body, reasoning={"effort": "none"})
+    assert [item.type for item in unthinking.output] == ["message"] and unthinking.reasoning.effort == "none"

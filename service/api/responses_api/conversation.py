@@ -17,6 +17,7 @@ from .request import (
     FunctionCallOutputItem,
     FunctionToolChoice,
     MessageItem,
+    ReasoningItem,
     ResponsesJsonSchemaFormat,
     ResponsesRequest,
     TextConfig,
@@ -30,21 +31,30 @@ CHAT_NAME = re.compile(r"(?<=')(messages|response_format)\b|\b(max_completion_to
 
 
 def chat_messages(items: list) -> list[dict]:
-    """Turn items into chat messages: a function call joins the assistant turn it follows (or opens one), and its
-    output becomes a tool message."""
+    """Turn items into chat messages: a function call joins the assistant turn it follows (or opens one), its
+    output becomes a tool message, and a reasoning item becomes the `reasoning_content` of the assistant turn that
+    follows it (the template decides whether the model reads it again: Qwen3's keeps only the thinking of the
+    turns after the last user message)."""
     messages: list[dict] = []
+    thinking = ""
     for item in items:
+        if isinstance(item, ReasoningItem):
+            thinking += item.text
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": parts_text(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and not thinking:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": parts_text(item.output)})
+        if thinking and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = thinking
+        thinking = ""
     return messages
 
 
@@ -99,6 +109,7 @@ def chat_request(request: ResponsesRequest, history: list) -> ChatCompletionRequ
         "tool_choice": _tool_choice(request),
         "parallel_tool_calls": request.parallel_tool_calls,
         "response_format": _response_format(request.text),
+        "reasoning_effort": request.reasoning.effort if request.reasoning is not None else None,
     }
     with responses_field_names():
         return parse_chat_request({key: value for key, value in body.items() if value is not None})

@@ -10,7 +10,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from ..chat_parts import TextFormat
-from .request import FunctionTool, FunctionToolChoice, InputItem, TextConfig, ToolChoiceMode
+from .request import (
+    FunctionTool,
+    FunctionToolChoice,
+    InputItem,
+    ReasoningConfig,
+    ReasoningText,
+    TextConfig,
+    ToolChoiceMode,
+)
 
 Count = Annotated[int, Field(ge=0)]
 ResponseId = Annotated[str, Field(pattern="^resp_")]
@@ -54,7 +62,19 @@ class OutputFunctionCall(_Object):
     status: ItemStatus
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+class OutputReasoning(_Object):
+    """A thinking model's thinking (Qwen3's <think> block), as an output item before the reply's message."""
+
+    type: Literal["reasoning"]
+    id: str
+    # Always empty: the model writes its whole thinking, never a summary of it.
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
+ContentPart = Annotated[OutputTextPart | ReasoningText, Field(discriminator="type")]
 
 
 class InputTokensDetails(_Object):
@@ -68,8 +88,10 @@ class InputTokensDetails(_Object):
 
 
 class OutputTokensDetails(_Object):
-    """What the output's tokens were: never reasoning, which the model does not do apart."""
+    """What the output's tokens were."""
 
+    # Always 0, thinking or not: the engine's text pieces are whole characters, not tokens, so where in a piece's
+    # tokens the thinking ended is not known exactly (chat completions count no reasoning tokens either).
     reasoning_tokens: Count
 
 
@@ -113,6 +135,7 @@ class ResponseObject(_Object):
     output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
+    reasoning: ReasoningConfig | None
     store: bool
     temperature: float
     top_p: float
@@ -150,14 +173,14 @@ class OutputItemEvent(_Object):
 
 
 class ContentPartEvent(_Object):
-    """A message's text part begun (empty) or done (whole)."""
+    """A message's text part, or a reasoning item's text, begun (empty) or done (whole)."""
 
     type: Literal["response.content_part.added", "response.content_part.done"]
     sequence_number: Count
     item_id: str
     output_index: Count
     content_index: Count
-    part: OutputTextPart
+    part: ContentPart
 
 
 class TextDeltaEvent(_Object):
@@ -184,6 +207,28 @@ class TextDoneEvent(_Object):
     logprobs: list[Any]
 
 
+class ReasoningDeltaEvent(_Object):
+    """A piece of a reasoning item's text; the pieces join into the text of its `response.reasoning_text.done`."""
+
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: Count
+    item_id: str
+    output_index: Count
+    content_index: Count
+    delta: str
+
+
+class ReasoningDoneEvent(_Object):
+    """A reasoning item's whole text."""
+
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: Count
+    item_id: str
+    output_index: Count
+    content_index: Count
+    text: str
+
+
 class ArgumentsDeltaEvent(_Object):
     """A piece of a function call's arguments."""
 
@@ -206,7 +251,7 @@ class ArgumentsDoneEvent(_Object):
 
 
 StreamEvent = LifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent | \
-    ArgumentsDeltaEvent | ArgumentsDoneEvent
+    ReasoningDeltaEvent | ReasoningDoneEvent | ArgumentsDeltaEvent | ArgumentsDoneEvent
 
 
 class ResponseStreamEvent(RootModel[Annotated[StreamEvent, Field(discriminator="type")]]):

@@ -1,19 +1,21 @@
 """One response written as its reply arrives: the output items, the stream events that build them, the whole object.
 
 A whole response and a streamed one are written by the same ResponseWriter (a whole one drops the
-events), so both hold the same items. The reply's text goes to a message item; the tool-call blocks
-toolcalls.py parses out of it become function_call items; an item is closed (its `.done` events)
-when the next begins or the reply ends, and a reply with neither text nor calls still has its
-(empty) message, as OpenAI's does.
+events), so both hold the same items. A thinking model's thinking, split off by reasoning.py as chat
+splits it, goes to a reasoning item first; the reply's text goes to a message item; the tool-call
+blocks toolcalls.py parses out of it become function_call items; an item is closed (its `.done`
+events) when the next begins or the reply ends, and a reply with neither text nor calls still has
+its (empty) message, as OpenAI's does.
 """
 
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ...engine import Finished
+from ..chat import ReplyParsers
 from ..serving import usage_of
-from ..toolcalls import ToolCallParser
 from .objects import (
     DEFAULT_TEXT,
     ArgumentsDeltaEvent,
@@ -25,8 +27,11 @@ from .objects import (
     OutputFunctionCall,
     OutputItemEvent,
     OutputMessage,
+    OutputReasoning,
     OutputTextPart,
     OutputTokensDetails,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
     ResponseError,
     ResponseObject,
     ResponseUsage,
@@ -34,11 +39,11 @@ from .objects import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from .request import ResponsesRequest
+from .request import ReasoningText, ResponsesRequest
 
 
 def new_item_id(prefix: str) -> str:
-    """Return a fresh output item id in OpenAI's style (`msg_…`, `fc_…`)."""
+    """Return a fresh output item id in OpenAI's style (`msg_…`, `fc_…`, `rs_…`)."""
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
@@ -70,12 +75,13 @@ class ResponseFacts:
 
 @dataclass
 class _OpenItem:
-    """The output item being written: its id, its index in the output, and its text or arguments so far."""
+    """The output item being written: its type, id, index in the output, and its text or arguments so far."""
 
+    kind: Literal["message", "function_call", "reasoning"]
     item_id: str
     output_index: int
     pieces: list[str] = field(default_factory=list)
-    # A function call's id and name; None for a message.
+    # A function call's id and name (None and "" for a message or reasoning).
     call_id: str | None = None
     name: str = ""
 
@@ -83,10 +89,10 @@ class _OpenItem:
 class ResponseWriter:
     """Write one response: feed it the reply's text, end it with the generation's last event."""
 
-    def __init__(self, facts: ResponseFacts, parser: ToolCallParser | None):
+    def __init__(self, facts: ResponseFacts, parsers: ReplyParsers):
         self.facts = facts
-        self.parser = parser
-        self.output: list[OutputMessage | OutputFunctionCall] = []
+        self.parsers = parsers
+        self.output: list[OutputMessage | OutputFunctionCall | OutputReasoning] = []
         self.response = self._response("in_progress")
         self._open: _OpenItem | None = None
         self._sequence = 0
@@ -101,7 +107,7 @@ class ResponseWriter:
             status=status, error=error, incomplete_details=incomplete, instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, metadata=dict(request.metadata or {}), model=self.facts.model,
             output=list(self.output), parallel_tool_calls=request.parallel_tool_calls is not False,
-            previous_response_id=request.previous_response_id, store=self.facts.store,
+            previous_response_id=request.previous_response_id, reasoning=request.reasoning, store=self.facts.store,
             temperature=self.facts.temperature, top_p=self.facts.top_p,
             text=request.text if request.text is not None and request.text.format is not None else DEFAULT_TEXT,
             tool_choice=request.tool_choice if request.tool_choice is not None else "auto",
@@ -123,22 +129,34 @@ class ResponseWriter:
 
     def feed(self, text: str) -> list[StreamEvent]:
         """Take the next piece of the reply's text; return the events it completes."""
-        if self.parser is None:
+        if self.parsers.reasoning is None:
+            return self._content(text)
+        reasoning, content = self.parsers.reasoning.feed(text)
+        return self._reasoning(reasoning) + self._content(content)
+
+    def _content(self, text: str) -> list[StreamEvent]:
+        """Write the reply's text after its thinking: as the message's text, less the tool-call blocks."""
+        if self.parsers.tool_calls is None:
             return self._text(text)
-        content, deltas = self.parser.feed(text)
+        content, deltas = self.parsers.tool_calls.feed(text)
         return self._text(content) + self._calls(deltas)
 
     def end(self, finished: Finished) -> list[StreamEvent]:
         """Close the output at the reply's end; return the events that close it (the response's own last event is
         `last_event`, sent once the response is kept)."""
         events = []
-        if self.parser is not None:
-            content, deltas = self.parser.finish()
+        if self.parsers.reasoning is not None:
+            reasoning, content = self.parsers.reasoning.finish()
+            events += self._reasoning(reasoning) + self._content(content)
+        if self.parsers.tool_calls is not None:
+            content, deltas = self.parsers.tool_calls.finish()
             events += self._text(content) + self._calls(deltas)
         cut = finished.finish_reason == "length"
-        if self._open is None and not self.output:
-            events += self._open_message()
-        events += self._close("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        answered = any(not isinstance(item, OutputReasoning) for item in self.output)
+        if not answered and (self._open is None or self._open.kind == "reasoning"):
+            events += self._close(status) + self._open_message()
+        events += self._close(status)
         self.response = self._response("incomplete" if cut else "completed", usage=usage_of_response(finished),
                                        incomplete=IncompleteDetails(reason="max_output_tokens") if cut else None)
         return events
@@ -153,12 +171,32 @@ class ResponseWriter:
         self.response = self._response("failed", error=ResponseError(code="server_error", message=message))
         return self._event(LifecycleEvent, type="response.failed", response=self.response)
 
-    def _text(self, text: str) -> list[StreamEvent]:
-        """Add reply text to the open message, opening one (and closing a call) first if needed."""
+    def _reasoning(self, text: str) -> list[StreamEvent]:
+        """Add thinking to the open reasoning item, opening one with its (empty) text part first if needed."""
         if not text:
             return []
         events = []
-        if self._open is None or self._open.call_id is not None:
+        if self._open is None or self._open.kind != "reasoning":
+            events += self._close("completed")
+            self._open = _OpenItem("reasoning", new_item_id("rs"), len(self.output))
+            events += [
+                self._event(OutputItemEvent, type="response.output_item.added", output_index=self._open.output_index,
+                            item=_reasoning_item(self._open, "in_progress", [])),
+                self._event(ContentPartEvent, type="response.content_part.added", item_id=self._open.item_id,
+                            output_index=self._open.output_index, content_index=0, part=_reasoning_part("")),
+            ]
+        self._open.pieces.append(text)
+        events.append(self._event(ReasoningDeltaEvent, type="response.reasoning_text.delta",
+                                  item_id=self._open.item_id, output_index=self._open.output_index, content_index=0,
+                                  delta=text))
+        return events
+
+    def _text(self, text: str) -> list[StreamEvent]:
+        """Add reply text to the open message, opening one (and closing a call or the thinking) first if needed."""
+        if not text:
+            return []
+        events = []
+        if self._open is None or self._open.kind != "message":
             events += self._close("completed") + self._open_message()
         self._open.pieces.append(text)
         events.append(self._event(TextDeltaEvent, type="response.output_text.delta", item_id=self._open.item_id,
@@ -172,7 +210,7 @@ class ResponseWriter:
             arguments = delta["function"]["arguments"]
             if "id" in delta:
                 events += self._close("completed")
-                self._open = _OpenItem(new_item_id("fc"), len(self.output), call_id=delta["id"],
+                self._open = _OpenItem("function_call", new_item_id("fc"), len(self.output), call_id=delta["id"],
                                        name=delta["function"]["name"])
                 events.append(self._event(OutputItemEvent, type="response.output_item.added",
                                           output_index=self._open.output_index,
@@ -186,7 +224,7 @@ class ResponseWriter:
 
     def _open_message(self) -> list[StreamEvent]:
         """Open a message item with its one (empty) text part."""
-        self._open = _OpenItem(new_item_id("msg"), len(self.output))
+        self._open = _OpenItem("message", new_item_id("msg"), len(self.output))
         return [
             self._event(OutputItemEvent, type="response.output_item.added", output_index=self._open.output_index,
                         item=_message_item(self._open, "in_progress", [])),
@@ -200,7 +238,16 @@ class ResponseWriter:
         if item is None:
             return []
         where = {"item_id": item.item_id, "output_index": item.output_index}
-        if item.call_id is None:
+        if item.kind == "reasoning":
+            text = "".join(item.pieces)
+            whole = _reasoning_item(item, status, [_reasoning_part(text)])
+            events = [
+                self._event(ReasoningDoneEvent, type="response.reasoning_text.done", **where, content_index=0,
+                            text=text),
+                self._event(ContentPartEvent, type="response.content_part.done", **where, content_index=0,
+                            part=_reasoning_part(text)),
+            ]
+        elif item.kind == "message":
             text = "".join(item.pieces)
             whole = _message_item(item, status, [_text_part(text)])
             events = [
@@ -228,6 +275,16 @@ def _call_item(item: _OpenItem, status: str) -> OutputFunctionCall:
     """Build a function call as an output item, with its arguments so far."""
     return OutputFunctionCall(type="function_call", id=item.item_id, call_id=item.call_id, name=item.name,
                               arguments="".join(item.pieces), status=status)
+
+
+def _reasoning_item(item: _OpenItem, status: str, parts: list[ReasoningText]) -> OutputReasoning:
+    """Build the thinking as an output item."""
+    return OutputReasoning(type="reasoning", id=item.item_id, summary=[], content=parts, status=status)
+
+
+def _reasoning_part(text: str) -> ReasoningText:
+    """Build a reasoning item's text part."""
+    return ReasoningText(type="reasoning_text", text=text)
 
 
 def _text_part(text: str) -> OutputTextPart:

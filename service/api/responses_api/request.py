@@ -12,7 +12,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag
 from ...errors import InvalidRequest
 from .. import nesting
 from ..chat_parts import FunctionName, JsonObjectFormat, StrictModel, TextFormat
-from ..chat_request import INT64, parse_body
+from ..chat_request import INT64, ReasoningEffort, parse_body
 
 # OpenAI's bounds of `metadata`: pairs, and the length of each key and value.
 MAX_METADATA_PAIRS = 16
@@ -95,11 +95,36 @@ class FunctionCallOutputItem(StrictModel):
     output: str | list[ContentPart]
 
 
+class ReasoningText(StrictModel):
+    """A thinking model's thinking, as its reply wrote it (between Qwen3's <think> markers)."""
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    """The thinking of an earlier reply, given back: it belongs to the assistant turn that follows it."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    content: list[ReasoningText] | None = None
+    # Declared to be refused unless empty or null (check_items): corechat writes neither, so neither is the model's
+    # own writing.
+    summary: list[Any] = Field(default_factory=list)
+    encrypted_content: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Return the thinking as one string."""
+        return "".join(part.text for part in self.content or [])
+
+
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[Unsupported, Tag(UNSUPPORTED)],
-    tagged({"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"},
-           default="message"),
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[ReasoningItem, Tag("Reasoning")]
+    | Annotated[Unsupported, Tag(UNSUPPORTED)],
+    tagged({"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput",
+            "reasoning": "Reasoning"}, default="message"),
 ]
 
 
@@ -158,6 +183,19 @@ class TextConfig(StrictModel):
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description="Only `medium`, the default.")
 
 
+class ReasoningConfig(StrictModel):
+    """How a thinking model (Qwen3) thinks: `effort` switches its thinking on or off, as chat's reasoning_effort."""
+
+    # Every key is kept, so that one corechat does not take is refused by name (_check_reasoning), never dropped.
+    model_config = ConfigDict(extra="allow")
+
+    effort: ReasoningEffort | None = Field(None, description=(
+        "none and minimal turn thinking off, low to xhigh leave it on (Qwen3 has no budget between); a model "
+        "that does not think ignores it."))
+    summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="Refused unless null.")
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="Refused unless null.")
+
+
 class ResponsesStreamOptions(StrictModel):
     """Options of a streamed response; corechat adds no obfuscation to its events, whatever this asks."""
 
@@ -197,10 +235,12 @@ class ResponsesRequest(StrictModel):
     service_tier: str | None = Field(None, description="Only `auto` or `default`.")
     truncation: Literal["auto", "disabled"] | None = Field(None, description=(
         "Only `disabled`: an input too long for the context is a 400 `context_length_exceeded`."))
+    reasoning: ReasoningConfig | None = Field(None, description=(
+        "Only `effort`: a thinking model's (Qwen3's) switch, as chat's reasoning_effort; its thinking comes back "
+        "as a `reasoning` output item."))
     # Declared to be refused by name (REFUSED).
     background: bool | None = Field(None, description="Only false.")
     include: list[str] | None = Field(None, description="Only empty.")
-    reasoning: dict[str, Any] | None = Field(None, description="Refused: the model does not reason apart.")
     top_logprobs: int | None = Field(None, description="Refused.")
     max_tool_calls: int | None = Field(None, description="Refused.")
     conversation: Any = Field(None, description="Refused: continue with previous_response_id.")
@@ -231,7 +271,6 @@ class ResponsesRequest(StrictModel):
 REFUSED: dict[str, tuple[str, tuple]] = {
     "background": ("responses run while the request waits; stream to see one as it is written", (None, False)),
     "include": ("no output beyond the reply's items is produced", (None, [])),
-    "reasoning": ("the model does not reason apart from its reply", (None,)),
     "top_logprobs": ("log probabilities are served by /v1/chat/completions", (None,)),
     "max_tool_calls": ("the number of calls is not capped", (None,)),
     "conversation": ("conversations are not kept; continue one with previous_response_id", (None,)),
@@ -260,10 +299,22 @@ def _check_refused(request: ResponsesRequest) -> None:
             raise not_supported(name, why)
     if request.text is not None and request.text.verbosity not in (None, DEFAULT_VERBOSITY):
         raise not_supported("text.verbosity", f"only '{DEFAULT_VERBOSITY}', the default, is served")
+    if request.reasoning is not None:
+        _check_reasoning(request.reasoning)
     metadata = request.metadata or {}
     if len(metadata) > MAX_METADATA_PAIRS or any(len(key) > MAX_METADATA_KEY_CHARS for key in metadata):
         raise InvalidRequest(f"invalid 'metadata': at most {MAX_METADATA_PAIRS} pairs, each key at most "
                              f"{MAX_METADATA_KEY_CHARS} characters", param="metadata")
+
+
+def _check_reasoning(reasoning: ReasoningConfig) -> None:
+    """Refuse every key of `reasoning` but its effort."""
+    for name in ("summary", "generate_summary"):
+        if getattr(reasoning, name) is not None:
+            raise not_supported(f"reasoning.{name}", "the model writes no summary of its thinking; its whole "
+                                "thinking is the reasoning item's content")
+    for name in reasoning.model_extra or {}:
+        raise not_supported(f"reasoning.{name}", "only 'reasoning.effort' is taken")
 
 
 def check_items(items: list, where: str = "input") -> None:
@@ -272,7 +323,10 @@ def check_items(items: list, where: str = "input") -> None:
         place = f"{where}[{index}]"
         if isinstance(item, Unsupported):
             raise not_supported(f"{place}.type", f"items of type '{item.type}' are not taken; only 'message', "
-                                "'function_call' and 'function_call_output'")
+                                "'function_call', 'function_call_output' and 'reasoning'")
+        if isinstance(item, ReasoningItem):
+            _check_reasoning_item(item, place)
+            continue
         content = item.output if isinstance(item, FunctionCallOutputItem) else getattr(item, "content", "")
         field = "output" if isinstance(item, FunctionCallOutputItem) else "content"
         for number, part in enumerate([] if isinstance(content, str) else content):
@@ -281,6 +335,15 @@ def check_items(items: list, where: str = "input") -> None:
                                     f"parts of type '{part.type}' are not taken: the model reads text only")
         if isinstance(item, FunctionCallItem):
             _check_arguments(item.arguments, f"{place}.arguments")
+
+
+def _check_reasoning_item(item: ReasoningItem, place: str) -> None:
+    """Refuse what a reasoning item holds beyond the thinking the model wrote."""
+    if item.summary:
+        raise not_supported(f"{place}.summary", "a summary is not the model's own writing; only the reasoning "
+                            "item's content goes back to it")
+    if item.encrypted_content is not None:
+        raise not_supported(f"{place}.encrypted_content", "no encrypted reasoning is made or read here")
 
 
 def _check_arguments(arguments: str, param: str) -> None:

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from ...cache.stored_responses import StoredResponses, StoreUnavailable
 from ...engine import ChoiceGroup, EventSource, Failed, Finished, Generation, KvScope, TextDelta
 from ...errors import RETRY_AFTER_SECONDS, InvalidRequest, NotFound, Overloaded
-from ..chat import ChatCompletions, PreparedChat
+from ..chat import ChatCompletions, PreparedChat, ReplyParsers
 from ..serving import interrupted, read_whole_reply
 from ..sse import PING, sse_event
 from .conversation import chat_request, check_call_ids, responses_field_names
-from .objects import OutputMessage, ResponseObject, StoredResponse, StreamEvent
+from .objects import OutputFunctionCall, OutputMessage, OutputReasoning, ResponseObject, StoredResponse, StreamEvent
 from .output import ResponseFacts, ResponseWriter, new_item_id
-from .request import FunctionCallItem, MessageItem, ResponsesRequest
+from .request import FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ class PreparedResponse(PreparedChat):
         return ResponseFacts(response_id=self.completion_id, created_at=self.created, model=self.model_name,
                              request=self.call.request, temperature=self.params.temperature, top_p=self.params.top_p,
                              store=self.store)
+
+    def writer(self) -> ResponseWriter:
+        """Return the writer of the response, with the parsers chat would split its reply with."""
+        return ResponseWriter(self.facts(), ReplyParsers(self.reasoning_parser(), self.tool_call_parser()))
 
 
 def framed(event: StreamEvent) -> str:
@@ -139,7 +143,7 @@ class ResponsesServing:
     def stream(self, prepared: PreparedResponse, source: EventSource) -> Iterator[str]:
         """Yield a response's typed events as Server-Sent Events; a failure after the first byte ends the stream
         with `response.failed`. The source is cancelled in `finally`, so a client that goes away frees its slot."""
-        writer = ResponseWriter(prepared.facts(), prepared.tool_call_parser())
+        writer = prepared.writer()
         try:
             yield from map(framed, writer.begin())
             while True:
@@ -168,7 +172,7 @@ class ResponsesServing:
 
     def complete(self, prepared: PreparedResponse, source: EventSource) -> ResponseObject:
         """Wait for the whole reply and return the response, kept first when `store` asks."""
-        writer = ResponseWriter(prepared.facts(), prepared.tool_call_parser())
+        writer = prepared.writer()
 
         def take(_index: int, event) -> None:
             if isinstance(event, TextDelta):
@@ -183,12 +187,19 @@ class ResponsesServing:
         """Store an ended response with its conversation when `store` asks, or raise a 503."""
         if not prepared.store:
             return
-        replies = [MessageItem(role="assistant", content=item.content[0].text) if isinstance(item, OutputMessage)
-                   else FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name,
-                                         arguments=item.arguments)
-                   for item in writer.output]
+        replies = [_given_back(item) for item in writer.output]
         stored = StoredResponse(response=writer.response, conversation=[*prepared.history, *replies])
         try:
             self.store.keep(prepared.call.owner, prepared.completion_id, stored.model_dump_json().encode())
         except StoreUnavailable as exc:
             raise store_failed(exc) from None
+
+
+def _given_back(item: OutputMessage | OutputFunctionCall | OutputReasoning
+                ) -> MessageItem | FunctionCallItem | ReasoningItem:
+    """Return an output item as the input item a continuation gives back to the model."""
+    if isinstance(item, OutputMessage):
+        return MessageItem(role="assistant", content=item.content[0].text)
+    if isinstance(item, OutputFunctionCall):
+        return FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
+    return ReasoningItem(type="reasoning", id=item.id, content=item.content)
