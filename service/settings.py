@@ -28,8 +28,8 @@ class Settings(BaseSettings):
     model: str = Field(
         str(DEFAULT_DEMO_MODEL_DIR),
         description="Local Hugging Face model folder, GGUF file (converted once into a float32 folder under "
-        "CONVERTED_WEIGHTS_DIR) or hub id; Qwen2, Qwen3 and Llama architectures run the fast path. Defaults to the demo "
-        "model that `make serve` builds (random weights); `make serve MODEL=smollm2` serves a real one.",
+        "CONVERTED_WEIGHTS_DIR) or hub id; Qwen2, Qwen3 and Llama architectures run the fast path. Defaults to "
+        "the demo model that `make serve` builds (random weights); `make serve MODEL=smollm2` serves a real one.",
     )
     model_name: str = Field(
         "", description="Comma-separated aliases accepted besides the model's own id (a hub id as given, a "
