@@ -6,9 +6,11 @@ tokens that followed them there are a cheap guess at what comes next. The guess 
 saves steps: speculation.py takes a draft token only where the sampler chose it.
 """
 
-# The longest and shortest run of last tokens that must match an earlier stretch for it to propose.
+# The longest run of last tokens matched against earlier text, and the shortest that proposes: after a
+# single matching token the tokens that followed it are seldom what comes next (on running text most
+# such drafts are rejected, each a row computed for nothing: bench/speculation.py).
 LONGEST_MATCH = 3
-SHORTEST_MATCH = 1
+SHORTEST_MATCH = 2
 # Earlier positions of the last token looked at, most recent first: a common token (a space, a
 # comma) occurs thousands of times in a long prompt, and a step must not walk them all.
 MOST_CANDIDATES = 64
@@ -26,7 +28,8 @@ class PromptLookup:
 
     def propose(self, taken_ids: list[int], most: int) -> list[int]:
         """Return up to `most` tokens that followed the latest earlier occurrence of the longest run (up to
-        LONGEST_MATCH) of the history's last tokens, after adding the reply's new `taken_ids`; [] if none."""
+        LONGEST_MATCH, at least SHORTEST_MATCH) of the history's last tokens, after adding the reply's new
+        `taken_ids`; [] if none."""
         history = self.history
         history.extend(taken_ids[self._taken:])
         self._taken = len(taken_ids)

@@ -114,23 +114,30 @@ class Speculator:
         the token its next row's sampler chooses; rewind its KV state to the tokens taken. Return whether it goes on."""
         draft, rows = step.drafts[index], step.rows_of(index)
         start = sequence.kv.length - 1 - len(draft)
-        taken = []
+        # Counted before each token goes in, so the final event of a reply that ends on it holds its count:
+        # every draft is rejected until its token is taken.
+        sequence.rejected_draft_tokens += len(draft)
+        taken = accepted = 0
         while True:
+            matched = taken < len(draft) and token_id == draft[taken]
+            if matched:
+                accepted += 1
+                sequence.accepted_draft_tokens += 1
+                sequence.rejected_draft_tokens -= 1
             goes_on = self.delivery.advance_or_fail(sequence, token_id, logprob)
-            taken.append(token_id)
-            if not goes_on or len(taken) > len(draft) or token_id != draft[len(taken) - 1]:
+            taken += 1
+            if not goes_on or not matched:
                 break
             try:
-                token_id, logprob = self._choose(sequence, rows[len(taken):len(taken) + 1])
+                token_id, logprob = self._choose(sequence, rows[taken:taken + 1])
             except Exception as exc:  # one sequence's fault fails it alone, as a single step's would
                 log.exception("a sequence failed while checking its draft")
                 sequence.generation.send(Failed(f"generation failed: {type(exc).__name__}"))
                 goes_on = False
                 break
-        self.runner.rewind(sequence.kv, start + len(taken))
-        accepted = next((position for position, (got, want) in enumerate(zip(taken, draft)) if got != want),
-                        min(len(taken), len(draft)))
-        self._count(sequence, accepted, len(draft) - accepted)
+        self.runner.rewind(sequence.kv, start + taken)
+        self.facts.accepted_draft_tokens = (self.facts.accepted_draft_tokens or 0) + accepted
+        self.facts.rejected_draft_tokens = (self.facts.rejected_draft_tokens or 0) + len(draft) - accepted
         return goes_on
 
     @staticmethod
@@ -142,10 +149,3 @@ class Speculator:
             mask_logits(row, [sequence.generation.grammar])
             token_ids = sample_tokens(samplers, row)
             return token_ids[0], token_logprobs(samplers, row, token_ids)[0]
-
-    def _count(self, sequence: Sequence, accepted: int, rejected: int) -> None:
-        """Count a sequence's drafts taken and not taken, for its reply and the engine."""
-        sequence.accepted_draft_tokens += accepted
-        sequence.rejected_draft_tokens += rejected
-        self.facts.accepted_draft_tokens = (self.facts.accepted_draft_tokens or 0) + accepted
-        self.facts.rejected_draft_tokens = (self.facts.rejected_draft_tokens or 0) + rejected

@@ -9,18 +9,23 @@ def test_the_tokens_after_the_latest_earlier_occurrence_of_the_longest_match_are
     # 7 9 occurs twice, but only the first follows 5 as the history's last three tokens do.
     lookup = PromptLookup([5, 7, 9, 1, 2, 3, 8, 7, 9, 4, 4, 4, 5, 7])
     assert lookup.propose([9], 3) == [1, 2, 3]
-    # Without a longer match, the most recent occurrence of the last token wins.
-    assert PromptLookup([3, 1, 4, 3, 2, 6, 0, 3]).propose([], 2) == [2, 6]
+    # Among matches of one length, the most recent wins.
+    assert PromptLookup([8, 3, 1, 4, 8, 3, 2, 6, 0, 8, 3]).propose([], 2) == [2, 6]
+
+
+def test_a_single_matching_token_proposes_nothing():
+    assert PromptLookup([3, 1, 4, 3, 2, 6, 0, 3]).propose([], 2) == []
 
 
 def test_a_proposal_stops_at_the_history_end_and_at_most():
     lookup = PromptLookup([1, 2, 3, 1, 2])
     assert lookup.propose([], 8) == [3, 1, 2]
+    assert PromptLookup([5, 5, 5]).propose([], 4) == [5]
     assert lookup.propose([], 1) == [3]
     assert lookup.propose([], 0) == []
 
 
-def test_no_proposal_where_the_last_token_never_occurred_before():
+def test_no_proposal_where_the_last_tokens_never_occurred_before():
     assert PromptLookup([1, 2, 3]).propose([], 4) == []
     assert PromptLookup([]).propose([], 4) == []
 
@@ -28,15 +33,14 @@ def test_no_proposal_where_the_last_token_never_occurred_before():
 def test_the_reply_is_indexed_as_it_grows():
     lookup = PromptLookup([10, 11])
     assert lookup.propose([12], 2) == []
-    assert lookup.propose([12, 10], 2) == [11, 12]
+    assert lookup.propose([12, 10, 11], 2) == [12, 10]
     # The reply's own earlier tokens count as the prompt's do.
-    assert lookup.propose([12, 10, 11, 12, 40, 41, 12], 3) == [40, 41, 12]
+    assert lookup.propose([12, 10, 11, 12, 40, 41, 12, 40], 3) == [41, 12, 40]
 
 
 def test_a_common_token_is_looked_up_among_its_latest_occurrences_only():
-    # A 3-token match exists only before the last MOST_CANDIDATES occurrences of the last token: the
-    # latest occurrence (a 1-token match) proposes instead.
-    assert PromptLookup([1, 2, 0, 55] + [3, 0] * MOST_CANDIDATES + [1, 2, 0]).propose([], 1) == [1]
+    # The one match lies before the last MOST_CANDIDATES occurrences of the last token, or just within them.
+    assert PromptLookup([1, 2, 0, 55] + [3, 0] * MOST_CANDIDATES + [1, 2, 0]).propose([], 1) == []
     assert PromptLookup([1, 2, 0, 55] + [3, 0] * (MOST_CANDIDATES - 1) + [1, 2, 0]).propose([], 1) == [55]
 
 
