@@ -92,10 +92,10 @@ class Settings(BaseSettings):
         "measured (at least 16 tokens, at most PREFILL_CHUNK_TOKENS); 0 cuts by PREFILL_CHUNK_TOKENS alone."
     )
     speculative_tokens: int = Field(
-        0, ge=0, le=16, description="Draft tokens a decoding stream proposes per step from its own prompt and "
+        8, ge=0, le=16, description="Draft tokens a decoding stream proposes per step from its own prompt and "
         "reply (where its last tokens occurred before, the tokens that followed them), checked in the same "
         "forward as its next token; the drafts the sampler would have chosen are taken, so replies are the "
-        "same bytes, only sooner on text that repeats its prompt. int8 and int4 only (their rows do not "
+        "same bytes, only sooner on text that repeats itself or its prompt. int8 and int4 only (their rows do not "
         "depend on the batch), never while requests wait or the batch is full: a step runs at most "
         "MAX_RUNNING rows. 0 turns it off (docs/performance.md)."
     )

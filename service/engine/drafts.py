@@ -6,11 +6,11 @@ tokens that followed them there are a cheap guess at what comes next. The guess 
 saves steps: speculation.py takes a draft token only where the sampler chose it.
 """
 
-# The longest run of last tokens matched against earlier text, and the shortest that proposes: after a
-# single matching token the tokens that followed it are seldom what comes next (on running text most
-# such drafts are rejected, each a row computed for nothing: bench/speculation.py).
-LONGEST_MATCH = 3
-SHORTEST_MATCH = 2
+# The last tokens that must occur earlier, in order, for what followed them to be proposed: after one
+# or two matching tokens the tokens that followed are seldom what comes next in text that is not a
+# copy (a sampled story's drafts after two were nearly all rejected, each a row computed for nothing:
+# bench/speculation.py), after three mostly right.
+MATCH_TOKENS = 3
 # Earlier positions of the last token looked at, most recent first: a common token (a space, a
 # comma) occurs thousands of times in a long prompt, and a step must not walk them all.
 MOST_CANDIDATES = 64
@@ -27,28 +27,18 @@ class PromptLookup:
         self._taken = 0
 
     def propose(self, taken_ids: list[int], most: int) -> list[int]:
-        """Return up to `most` tokens that followed the latest earlier occurrence of the longest run (up to
-        LONGEST_MATCH, at least SHORTEST_MATCH) of the history's last tokens, after adding the reply's new
-        `taken_ids`; [] if none."""
+        """Return up to `most` tokens that followed the latest earlier occurrence of the history's last
+        MATCH_TOKENS tokens, after adding the reply's new `taken_ids`; [] if none."""
         history = self.history
         history.extend(taken_ids[self._taken:])
         self._taken = len(taken_ids)
         for position in range(self._indexed, len(history) - 1):
             self._positions.setdefault(history[position], []).append(position)
         self._indexed = max(self._indexed, len(history) - 1)
-        earlier = self._positions.get(history[-1]) if history and most > 0 else None
-        if not earlier:
+        if len(history) < MATCH_TOKENS or most <= 0:
             return []
-        best, best_length = -1, 0
-        for position in reversed(earlier[-MOST_CANDIDATES:]):
-            length = 1
-            while (length < LONGEST_MATCH and position - length >= 0
-                   and history[position - length] == history[-1 - length]):
-                length += 1
-            if length > best_length:
-                best, best_length = position, length
-                if length == LONGEST_MATCH:
-                    break
-        if best_length < SHORTEST_MATCH:
-            return []
-        return history[best + 1:best + 1 + most]
+        last = history[-MATCH_TOKENS:]
+        for position in reversed(self._positions.get(history[-1], [])[-MOST_CANDIDATES:]):
+            if position >= MATCH_TOKENS - 1 and history[position - MATCH_TOKENS + 1:position + 1] == last:
+                return history[position + 1:position + 1 + most]
+        return []

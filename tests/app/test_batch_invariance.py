@@ -11,7 +11,7 @@ Qwen2.5-0.5B's own.
 import pytest
 import torch
 
-from service.engine import Failed, SamplingParams, TextDelta, scheduler
+from service.engine import Failed, SamplingParams, TextDelta, scheduler, speculation
 from tests.support import started_engine
 
 # Prompt lengths of a batch of uneven sequences (the tiny model handles any).
@@ -94,7 +94,8 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams) -> list[s
 
 @pytest.fixture()
 def recorded_logits(monkeypatch):
-    """Record the logits every sampler is given, by sampler (what the engine samples from)."""
+    """Record the logits every sampler is given, by sampler, in order (what the engine samples from: a step's
+    first rows, and a speculative step's draft rows)."""
     seen: dict[int, list[torch.Tensor]] = {}
     original = scheduler.sample_tokens
 
@@ -104,6 +105,7 @@ def recorded_logits(monkeypatch):
         return original(samplers, logits)
 
     monkeypatch.setattr(scheduler, "sample_tokens", recording)
+    monkeypatch.setattr(speculation, "sample_tokens", recording)
     return seen
 
 

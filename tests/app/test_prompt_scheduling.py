@@ -116,16 +116,19 @@ def test_a_failed_decode_step_ends_every_sequence_it_held_frees_their_pages_and_
     error event, gives their KV pages back, and the next requests are served."""
     runner = default_engine._scheduler.runner
     free_before = runner.pool.free_pages
-    original = PagedModel.decode
     failures = iter([MemoryError("injected: no memory for this step")])
 
-    def decode_failing_once(self, kvs, token_ids):
-        failure = next(failures, None)
-        if failure is not None:
-            raise failure
-        return original(self, kvs, token_ids)
+    def failing_once(original):
+        """Return the runner's step, failing the first step of either kind (a plain or a speculative one)."""
+        def step(self, kvs, inputs):
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            return original(self, kvs, inputs)
+        return step
 
-    monkeypatch.setattr(PagedModel, "decode", decode_failing_once)
+    monkeypatch.setattr(PagedModel, "decode", failing_once(PagedModel.decode))
+    monkeypatch.setattr(PagedModel, "decode_rows", failing_once(PagedModel.decode_rows))
     params = SamplingParams(max_tokens=4, temperature=0.0)
     failed = Watched(default_engine.submit(prompt(40, offset=5), params)).last()
     assert isinstance(failed, Failed) and "MemoryError" in failed.message

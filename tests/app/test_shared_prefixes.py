@@ -5,7 +5,7 @@ stand for two workers; tests/e2e/test_gunicorn_prefixes.py does it with real Gun
 import pytest
 import torch
 
-from service.engine import Engine, Failed, Finished, SamplingParams, TextDelta, scheduler
+from service.engine import Engine, Failed, Finished, SamplingParams, TextDelta, scheduler, speculation
 from tests.support import started_engine
 
 QUESTION = "Tell me about the sea and the ships on it, at length."
@@ -35,6 +35,7 @@ def reply(engine: Engine, prompt_ids: list[int], params: SamplingParams,
 
     with monkeypatch.context() as patch:
         patch.setattr(scheduler, "sample_tokens", recording)
+        patch.setattr(speculation, "sample_tokens", recording)
         text, ids, finished = "", [], None
         for event in engine.submit(prompt_ids, params).events():
             assert not isinstance(event, Failed), event

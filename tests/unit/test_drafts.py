@@ -5,24 +5,23 @@ from service.engine.drafts import MOST_CANDIDATES, PromptLookup
 from service.engine.speculation import share_rows
 
 
-def test_the_tokens_after_the_latest_earlier_occurrence_of_the_longest_match_are_proposed():
-    # 7 9 occurs twice, but only the first follows 5 as the history's last three tokens do.
-    lookup = PromptLookup([5, 7, 9, 1, 2, 3, 8, 7, 9, 4, 4, 4, 5, 7])
-    assert lookup.propose([9], 3) == [1, 2, 3]
-    # Among matches of one length, the most recent wins.
-    assert PromptLookup([8, 3, 1, 4, 8, 3, 2, 6, 0, 8, 3]).propose([], 2) == [2, 6]
+def test_the_tokens_after_the_latest_earlier_occurrence_of_the_last_three_are_proposed():
+    # 7 9 occurs three times, but only twice after 5, as the history's last three tokens are.
+    lookup = PromptLookup([5, 7, 9, 1, 2, 3, 8, 7, 9, 4, 5, 7, 9, 6, 6, 5, 7])
+    assert lookup.propose([9], 3) == [6, 6, 5]
 
 
-def test_a_single_matching_token_proposes_nothing():
+def test_one_or_two_matching_tokens_propose_nothing():
     assert PromptLookup([3, 1, 4, 3, 2, 6, 0, 3]).propose([], 2) == []
+    assert PromptLookup([8, 3, 1, 4, 8, 3, 2, 6, 0, 8, 3]).propose([], 2) == []
 
 
 def test_a_proposal_stops_at_the_history_end_and_at_most():
-    lookup = PromptLookup([1, 2, 3, 1, 2])
-    assert lookup.propose([], 8) == [3, 1, 2]
-    assert PromptLookup([5, 5, 5]).propose([], 4) == [5]
-    assert lookup.propose([], 1) == [3]
+    lookup = PromptLookup([1, 2, 3, 1, 2, 3])
+    assert lookup.propose([], 8) == [1, 2, 3]
+    assert lookup.propose([], 1) == [1]
     assert lookup.propose([], 0) == []
+    assert PromptLookup([5, 5, 5, 5]).propose([], 4) == [5]
 
 
 def test_no_proposal_where_the_last_tokens_never_occurred_before():
@@ -31,11 +30,11 @@ def test_no_proposal_where_the_last_tokens_never_occurred_before():
 
 
 def test_the_reply_is_indexed_as_it_grows():
-    lookup = PromptLookup([10, 11])
-    assert lookup.propose([12], 2) == []
-    assert lookup.propose([12, 10, 11], 2) == [12, 10]
+    lookup = PromptLookup([10, 11, 12])
+    assert lookup.propose([13], 2) == []
+    assert lookup.propose([13, 10, 11, 12], 2) == [13, 10]
     # The reply's own earlier tokens count as the prompt's do.
-    assert lookup.propose([12, 10, 11, 12, 40, 41, 12, 40], 3) == [41, 12, 40]
+    assert lookup.propose([13, 10, 11, 12, 40, 41, 42, 9, 40, 41, 42], 3) == [9, 40, 41]
 
 
 def test_a_common_token_is_looked_up_among_its_latest_occurrences_only():
