@@ -99,7 +99,7 @@ def together(url: str, tag: str, replies: int) -> dict:
             raise RuntimeError(f"{STREAMS_WORKLOAD}: {errors[:2]}")
         speeds.append(sum(result.completion_tokens for result in results) / wall)
         lengths += [result.completion_tokens for result in results]
-        texts.add(tuple(result.text for result in results))
+        texts.add("\n\n".join(f"[seed {stream}] {result.text}" for stream, result in enumerate(results)))
     return {"tokens_per_second": statistics.median(speeds), "replies": speeds, "tokens": lengths,
             "texts": sorted(texts)}
 
@@ -108,11 +108,12 @@ def render(results: dict) -> str:
     """Return the markdown table of a run."""
     rounds = results["rounds"]
     on, off = f"SPECULATIVE_TOKENS={results['tokens']}", "SPECULATIVE_TOKENS=0"
-    lines = ["# speculation", "", f"SmolLM2-135M-Instruct at {results['dtype']}, corechat's default shape, one stream "
-             f"at a time, replies of up to {REPLY_TOKENS} tokens (greedy; the sampled story at temperature 0.8, "
-             "top_p 0.95, seed 1; 4 at once seeded 0-3, all their tokens over the wall time), {len(rounds)} alternating rounds: decode "
-             f"tokens/s (after the first token, as the client sees them), median of each round's medians (range), "
-             "and each round's ratio of on to off.", "",
+    lines = ["# speculation", "",
+             f"SmolLM2-135M-Instruct at {results['dtype']}, corechat's default shape, replies of up to {REPLY_TOKENS} "
+             "tokens (greedy; the sampled story at temperature 0.8, top_p 0.95, seed 1), one stream at a time: decode "
+             "tokens/s after the first token, as the client sees them; 4 sampled stories at once (seeds 0-3): all "
+             f"their tokens over the wall time. {len(rounds)} alternating rounds, median of each round's medians "
+             "(range), and each round's ratio of on to off.", "",
              f"| workload | {on} | {off} | ratio, per round | reply tokens | same text on and off |",
              "|---|---|---|---|---|---|"]
     for name in [*WORKLOADS, STREAMS_WORKLOAD]:
