@@ -252,7 +252,8 @@ def test_workers_report_ready_load_and_model_info(server):
     assert len(info) == 1
     assert info[0]["model"] == "tiny" and info[0]["workers"] == "2"
     assert info[0]["dtype"] == "int8" and info[0]["quantization"] == (
-        "int8 weights with a float16 scale per group of 32, activations rounded to int8 per block of 32")
+        "int8 weights with a float16 scale per Hadamard-rotated group of 32, activations rounded to int8 per block "
+        "of 32 (rotated as the weights are)")
 
 
 def test_killed_worker_leaves_no_live_gauges_after_respawn(server):
