@@ -17,10 +17,12 @@ MOST_CANDIDATES = 64
 
 
 class PromptLookup:
-    """A sequence's prompt and reply so far, indexed by token, to propose what followed its last tokens before."""
+    """A sequence's prompt and reply so far, indexed by token, to propose what followed its last tokens before,
+    and how many tokens its drafts may hold now (`limit`, see `judged`)."""
 
-    def __init__(self, input_ids: list[int]):
+    def __init__(self, input_ids: list[int], limit: int):
         self.history = list(input_ids)
+        self.most = self.limit = limit
         # Each token's positions in the history, ascending, but the last position (which has no follower yet).
         self._positions: dict[int, list[int]] = {}
         self._indexed = 0
@@ -35,6 +37,7 @@ class PromptLookup:
         for position in range(self._indexed, len(history) - 1):
             self._positions.setdefault(history[position], []).append(position)
         self._indexed = max(self._indexed, len(history) - 1)
+        most = min(most, self.limit)
         if len(history) < MATCH_TOKENS or most <= 0:
             return []
         last = history[-MATCH_TOKENS:]
@@ -42,3 +45,11 @@ class PromptLookup:
             if position >= MATCH_TOKENS - 1 and history[position - MATCH_TOKENS + 1:position + 1] == last:
                 return history[position + 1:position + 1 + most]
         return []
+
+    def judged(self, proposed: int, accepted: int) -> None:
+        """Size the next drafts by how this one fared: twice as long after a draft taken whole (up to the
+        setting), one past its taken part after a miss. Where the text stops repeating (a sampled story),
+        each step then computes at most one row for nothing instead of the setting's; where it goes on
+        repeating (an edited block), a run's drafts grow back to full length within a few steps."""
+        if proposed:
+            self.limit = min(self.most, 2 * self.limit) if accepted == proposed else accepted + 1

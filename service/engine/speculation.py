@@ -89,7 +89,7 @@ class Speculator:
             room = min(self.most_tokens, sequence.generation.params.max_tokens - sequence.completion_tokens - 1,
                        kv.capacity - kv.length - 1)
             if sequence.lookup is None:
-                sequence.lookup = PromptLookup(sequence.generation.input_ids)
+                sequence.lookup = PromptLookup(sequence.generation.input_ids, self.most_tokens)
             proposals.append(sequence.lookup.propose(sequence.taken_ids, room))
         if not any(proposals):
             return None
@@ -136,6 +136,7 @@ class Speculator:
                 goes_on = False
                 break
         self.runner.rewind(sequence.kv, start + taken)
+        sequence.lookup.judged(len(draft), accepted)
         self.facts.accepted_draft_tokens = (self.facts.accepted_draft_tokens or 0) + accepted
         self.facts.rejected_draft_tokens = (self.facts.rejected_draft_tokens or 0) + len(draft) - accepted
         return goes_on
