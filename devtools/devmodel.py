@@ -246,9 +246,16 @@ def make_model_config(preset: str) -> Qwen2Config | Qwen3Config:
     """Return the Qwen2 (or Qwen3) config of a preset."""
     shape = preset_shape(preset)
     if shape.qwen3:
-        return make_qwen3_config(shape)
-    return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"],
+        return Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=shape.head_dim, attention_bias=False,
+                           max_position_embeddings=QWEN3_MAX_POSITION_EMBEDDINGS, sliding_window=None,
+                           **shared_config(shape))
+    return Qwen2Config(architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768, sliding_window=32768,
+                       **({"head_dim": shape.head_dim} if shape.head_dim is not None else {}), **shared_config(shape))
+
+
+def shared_config(shape: DevModelShape) -> dict:
+    """Return the config fields Qwen2.5-Instruct and Qwen3 set alike, for a shape."""
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -256,43 +263,11 @@ def make_model_config(preset: str) -> Qwen2Config | Qwen3Config:
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         max_window_layers=shape.max_window_layers,
-        **({"head_dim": shape.head_dim} if shape.head_dim is not None else {}),
         hidden_act="silu",
-        max_position_embeddings=32768,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
         use_sliding_window=False,
-        sliding_window=32768,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        dtype=torch.bfloat16,
-    )
-
-
-def make_qwen3_config(shape: DevModelShape) -> Qwen3Config:
-    """Return the Qwen3 config of a shape, with Qwen3-0.6B's settings beside it."""
-    return Qwen3Config(
-        architectures=["Qwen3ForCausalLM"],
-        vocab_size=VOCAB_SIZE,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_window_layers=shape.max_window_layers,
-        head_dim=shape.head_dim,
-        attention_bias=False,
-        hidden_act="silu",
-        max_position_embeddings=QWEN3_MAX_POSITION_EMBEDDINGS,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        sliding_window=None,
         attention_dropout=0.0,
         initializer_range=0.02,
         use_cache=True,
