@@ -266,15 +266,19 @@ def check_messages(messages: list[ChatMessage]) -> None:
         if message.function_call is not None:
             called.append((f"{where}.function_call", message.function_call))
         for place, function in called:
-            param = f"{place}.arguments"
-            try:
-                arguments = nesting.loads(function.arguments)
-            except nesting.TooDeep as exc:
-                raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
-            except ValueError:
-                raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
-            if not isinstance(arguments, dict):
-                raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
+            check_call_arguments(function.arguments, f"{place}.arguments")
+
+
+def check_call_arguments(arguments: str, param: str) -> None:
+    """Refuse a function call's arguments unless they are a JSON object (nested no deeper than nesting allows)."""
+    try:
+        value = nesting.loads(arguments)
+    except nesting.TooDeep as exc:
+        raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
+    except ValueError:
+        raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
 
 
 def _check_function_fields(request: ChatCompletionRequest) -> None:

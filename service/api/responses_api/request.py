@@ -10,9 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from ...errors import InvalidRequest
-from .. import nesting
 from ..chat_parts import FunctionName, JsonObjectFormat, StrictModel, TextFormat
-from ..chat_request import INT64, ReasoningEffort, parse_body
+from ..chat_request import INT64, ReasoningEffort, check_call_arguments, parse_body
 
 # OpenAI's bounds of `metadata`: pairs, and the length of each key and value.
 MAX_METADATA_PAIRS = 16
@@ -334,7 +333,7 @@ def check_items(items: list, where: str = "input") -> None:
                 raise not_supported(f"{place}.{field}[{number}].type",
                                     f"parts of type '{part.type}' are not taken: the model reads text only")
         if isinstance(item, FunctionCallItem):
-            _check_arguments(item.arguments, f"{place}.arguments")
+            check_call_arguments(item.arguments, f"{place}.arguments")
 
 
 def _check_reasoning_item(item: ReasoningItem, place: str) -> None:
@@ -344,18 +343,6 @@ def _check_reasoning_item(item: ReasoningItem, place: str) -> None:
                             "item's content goes back to it")
     if item.encrypted_content is not None:
         raise not_supported(f"{place}.encrypted_content", "no encrypted reasoning is made or read here")
-
-
-def _check_arguments(arguments: str, param: str) -> None:
-    """Refuse a call's arguments unless they are a JSON object."""
-    try:
-        value = nesting.loads(arguments)
-    except nesting.TooDeep as exc:
-        raise InvalidRequest(f"invalid '{param}': {exc}", param=param) from None
-    except ValueError:
-        raise InvalidRequest(f"invalid '{param}': not valid JSON", param=param) from None
-    if not isinstance(value, dict):
-        raise InvalidRequest(f"invalid '{param}': must be a JSON object", param=param)
 
 
 def _check_tools(request: ResponsesRequest) -> None:
