@@ -50,11 +50,16 @@ def hosts(redis_server, replies_redis, gunicorn):
         yield first, second
 
 
-def test_the_next_turn_on_another_host_fetches_the_conversation_and_answers_the_same(hosts):
+def test_the_next_turn_on_another_host_fetches_the_conversation_and_answers_the_same(hosts, redis_server):
     first, second = hosts
     # A reply whose tokens re-tokenise to themselves, so the next turn's prompt holds them exactly.
     bias = {str(the_token_id(first)): 100}
+    kv = redis.Redis(port=redis_server.port)
+    shared_before = len(kv.keys("corechat:kv:*"))
     turn = chat(first, [{"role": "user", "content": QUESTION}], max_tokens=12, logit_bias=bias)
+    # A finished turn is sent to Redis by a background thread, after its reply may already have ended: a
+    # next turn that overtakes it is computed where it lands (the same bytes, only slower).
+    assert wait_until(lambda: len(kv.keys("corechat:kv:*")) > shared_before, 30)
     reply = turn["choices"][0]["message"]["content"]
     assert turn["choices"][0]["finish_reason"] == "length"
     conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply},
