@@ -15,7 +15,7 @@ GREEDY_BELOW_TEMPERATURE = torch.finfo(torch.float32).smallest_normal
 
 # Changes whenever the same seed at the same position may draw another token from the same logits.
 # It is part of the engine's fingerprint, so a cache never replays a seeded reply another sampler drew.
-SAMPLER_VERSION = 2
+SAMPLER_VERSION = 3
 
 # A non-negative float32's bit pattern orders as its value does: its high 16 bits (sign, exponent and
 # 7 mantissa bits), read in place as the odd int16 of a little-endian float, name a bucket of values
@@ -26,6 +26,8 @@ CANDIDATES = 256
 # What sample_tokens returns for a row whose logits are not finite: no vocabulary's id, so it can
 # never pass for text.
 NO_TOKEN = -1
+# What corechat's top-k draw returns for a row it leaves to the whole-row draw (sampling.cpp).
+WHOLE_ROW = -2
 
 
 class NonFiniteLogits(ValueError):
@@ -237,9 +239,47 @@ def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor
     return logits.index_put((torch.tensor(rows),), lowered)
 
 
+@functools.cache
+def _top_k_kernel() -> Callable[..., torch.Tensor]:
+    """Return corechat's top-k draw, loading the kernels where the model did not (a float32 model's
+    engine loads them for this alone): every top_k row draws by it, whatever the DTYPE."""
+    try:
+        return torch.ops.corechat.top_k_tokens
+    except (AttributeError, RuntimeError):
+        from . import kernels
+        kernels.load()
+        return torch.ops.corechat.top_k_tokens
+
+
 def draw(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
     """Draw each row's token from softmax(logits / temperature), restricted to its top-k and top-p tokens
-    (every row's largest logit finite: sample_tokens sets the other rows aside)."""
+    (every row's largest logit finite: sample_tokens sets the other rows aside).
+
+    A row with a top_k of at most CANDIDATES draws by corechat's kernel, in one pass over its logits
+    (among its top_k largest logits and their ties, weights and top_p in float64); the others, and
+    rows whose ties at the k-th logit overflow the kernel's candidates, by the probabilities below.
+    """
+    rows, vocab = logits.shape
+    tokens = [0] * rows
+    listed = [row for row, sampler in enumerate(samplers) if 0 < sampler.params.top_k <= min(CANDIDATES, vocab - 1)]
+    if listed:
+        chosen = _top_k_kernel()(take_rows(logits, listed).contiguous(),
+                                 [samplers[row].params.top_k for row in listed],
+                                 [samplers[row].params.temperature for row in listed],
+                                 [samplers[row].params.top_p for row in listed],
+                                 [samplers[row].uniform() for row in listed]).tolist()
+        for row, token in zip(listed, chosen, strict=True):
+            tokens[row] = token
+    listed_rows = set(listed)
+    rest = [row for row in range(rows) if row not in listed_rows or tokens[row] == WHOLE_ROW]
+    if rest:
+        for row, token in zip(rest, draw_by_probabilities([samplers[row] for row in rest], take_rows(logits, rest))):
+            tokens[row] = token
+    return tokens
+
+
+def draw_by_probabilities(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
+    """Draw each row's token from its softmax(logits / temperature) in float32, by its top_k and top_p."""
     rows, vocab = logits.shape
     maxima = logits.amax(dim=-1, keepdim=True)
     temperatures = torch.tensor([[sampler.params.temperature] for sampler in samplers], dtype=torch.float32)

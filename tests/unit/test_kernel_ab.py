@@ -17,4 +17,4 @@ def test_renamed_sources_keep_nothing_of_the_corechat_namespace_or_operator_libr
         assert renamed.count(f"namespace {RENAMED}") == len(re.findall(r"\bnamespace corechat\b", text)), path.name
         registrations += len(re.findall(rf"TORCH_LIBRARY\w*\({RENAMED},", renamed))
         assert re.sub(RENAMED, "corechat", renamed) == text, path.name
-    assert registrations == 2  # ops.cpp's library and layer.cpp's fragment
+    assert registrations == 3  # ops.cpp's library, layer.cpp's and sampling.cpp's fragments

@@ -32,7 +32,7 @@ COMPILER = "g++"
 COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall")
 BASELINE_SOURCES = ("reference.cpp",)
 # The torch operators (ATen and torch's headers).
-OPERATOR_SOURCES = ("ops.cpp", "layer.cpp")
+OPERATOR_SOURCES = ("ops.cpp", "layer.cpp", "sampling.cpp")
 # at::parallel_for is a header template: built without OpenMP it runs every range on one thread.
 # The library links the libgomp torch ships (found through torch's lib folder), never a second one.
 OPS_FLAGS = ("-fopenmp",)

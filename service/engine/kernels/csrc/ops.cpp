@@ -384,87 +384,6 @@ int64_t peak_multiply_adds(int64_t path, int64_t iterations, int64_t threads) {
     return threads * iterations * per_round;
 }
 
-// The index of a row's first largest value, as torch.argmax chooses for a row without NaN: each lane
-// keeps its first largest (only a strictly larger value replaces it), then the largest of the lanes
-// wins, the lowest index among equals, and the tail past the last whole vector goes one by one.
-int64_t combine_lanes(const float* best, const int32_t* where, int lanes, const float* row, int64_t from,
-                      int64_t width) {
-    int64_t chosen = where[0];
-    float largest = best[0];
-    for (int lane = 1; lane < lanes; ++lane) {
-        if (best[lane] > largest || (best[lane] == largest && where[lane] < chosen)) {
-            largest = best[lane];
-            chosen = where[lane];
-        }
-    }
-    for (int64_t index = from; index < width; ++index) {
-        if (row[index] > largest) {
-            largest = row[index];
-            chosen = index;
-        }
-    }
-    return chosen;
-}
-
-int64_t first_largest_plain(const float* row, int64_t width) {
-    return std::max_element(row, row + width) - row;
-}
-
-#if defined(__x86_64__)
-// Two registers of 8 lanes (16 lanes, two independent chains), AVX2: the same choice as the plain loop.
-__attribute__((target("avx2"))) int64_t first_largest_avx2(const float* row, int64_t width) {
-    constexpr int kLanes = 16;
-    if (width < 2 * kLanes) return first_largest_plain(row, width);
-    __m256 best[2] = {_mm256_loadu_ps(row), _mm256_loadu_ps(row + 8)};
-    __m256i where[2] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)};
-    __m256i at[2] = {_mm256_add_epi32(where[0], _mm256_set1_epi32(kLanes)),
-                     _mm256_add_epi32(where[1], _mm256_set1_epi32(kLanes))};
-    const __m256i step = _mm256_set1_epi32(kLanes);
-    int64_t index = kLanes;
-    for (; index + kLanes <= width; index += kLanes) {
-        for (int half = 0; half < 2; ++half) {
-            const __m256 values = _mm256_loadu_ps(row + index + 8 * half);
-            const __m256 larger = _mm256_cmp_ps(values, best[half], _CMP_GT_OQ);
-            best[half] = _mm256_blendv_ps(best[half], values, larger);
-            where[half] = _mm256_blendv_epi8(where[half], at[half], _mm256_castps_si256(larger));
-            at[half] = _mm256_add_epi32(at[half], step);
-        }
-    }
-    alignas(32) float lanes_best[kLanes];
-    alignas(32) int32_t lanes_where[kLanes];
-    for (int half = 0; half < 2; ++half) {
-        _mm256_store_ps(lanes_best + 8 * half, best[half]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes_where + 8 * half), where[half]);
-    }
-    return combine_lanes(lanes_best, lanes_where, kLanes, row, index, width);
-}
-#endif
-
-int64_t first_largest(const float* row, int64_t width) {
-#if defined(__x86_64__)
-    static const bool avx2 = __builtin_cpu_supports("avx2");
-    if (avx2) return first_largest_avx2(row, width);
-#endif
-    return first_largest_plain(row, width);
-}
-
-// torch.ops.corechat.greedy_tokens: each row's first largest logit, float32 [rows, width] in, int64
-// [rows] out; torch.argmax's choice for rows without NaN (the sampler checks that first).
-at::Tensor greedy_tokens(const at::Tensor& logits) {
-    check_cpu(logits, "logits");
-    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
-                "logits must be a contiguous float32 matrix");
-    const int64_t rows = logits.size(0), width = logits.size(1);
-    TORCH_CHECK(width > 0 && width <= std::numeric_limits<int32_t>::max(), "logits' width must be 1 to 2^31 - 1, not ", width);
-    at::Tensor chosen = at::empty({rows}, logits.options().dtype(at::kLong));
-    const float* values = logits.data_ptr<float>();
-    int64_t* out = chosen.data_ptr<int64_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t row = begin; row < end; ++row) out[row] = first_largest(values + row * width, width);
-    });
-    return chosen;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(corechat, m) {
@@ -477,7 +396,6 @@ TORCH_LIBRARY(corechat, m) {
     m.def("paths() -> str[]", paths);
     m.def("use_path(int path) -> str", use_path);
     m.def("layout() -> (str[], int[])", layout);
-    m.def("greedy_tokens(Tensor logits) -> Tensor", greedy_tokens);
 }
 
 }  // namespace corechat

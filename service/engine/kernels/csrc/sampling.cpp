@@ -1,0 +1,265 @@
+// The step's next tokens from its logits, each row by one pass over its vocabulary instead of the
+// sampler's passes of whole-vocabulary tensors: torch.ops.corechat.greedy_tokens (the first largest
+// logit) and .top_k_tokens (a draw among the top_k largest logits, top_p of them kept). A row's token
+// depends on its own logits and parameters alone, never on the other rows or the thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+
+namespace corechat {
+
+namespace {
+
+// The index of a row's first largest value, as torch.argmax chooses for a row without NaN: each lane
+// keeps its first largest (only a strictly larger value replaces it), then the largest of the lanes
+// wins, the lowest index among equals, and the tail past the last whole vector goes one by one.
+int64_t combine_lanes(const float* best, const int32_t* where, int lanes, const float* row, int64_t from,
+                      int64_t width) {
+    int64_t chosen = where[0];
+    float largest = best[0];
+    for (int lane = 1; lane < lanes; ++lane) {
+        if (best[lane] > largest || (best[lane] == largest && where[lane] < chosen)) {
+            largest = best[lane];
+            chosen = where[lane];
+        }
+    }
+    for (int64_t index = from; index < width; ++index) {
+        if (row[index] > largest) {
+            largest = row[index];
+            chosen = index;
+        }
+    }
+    return chosen;
+}
+
+int64_t first_largest_plain(const float* row, int64_t width) {
+    return std::max_element(row, row + width) - row;
+}
+
+#if defined(__x86_64__)
+// Two registers of 8 lanes (16 lanes, two independent chains), AVX2: the same choice as the plain loop.
+__attribute__((target("avx2"))) int64_t first_largest_avx2(const float* row, int64_t width) {
+    constexpr int kLanes = 16;
+    if (width < 2 * kLanes) return first_largest_plain(row, width);
+    __m256 best[2] = {_mm256_loadu_ps(row), _mm256_loadu_ps(row + 8)};
+    __m256i where[2] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)};
+    __m256i at[2] = {_mm256_add_epi32(where[0], _mm256_set1_epi32(kLanes)),
+                     _mm256_add_epi32(where[1], _mm256_set1_epi32(kLanes))};
+    const __m256i step = _mm256_set1_epi32(kLanes);
+    int64_t index = kLanes;
+    for (; index + kLanes <= width; index += kLanes) {
+        for (int half = 0; half < 2; ++half) {
+            const __m256 values = _mm256_loadu_ps(row + index + 8 * half);
+            const __m256 larger = _mm256_cmp_ps(values, best[half], _CMP_GT_OQ);
+            best[half] = _mm256_blendv_ps(best[half], values, larger);
+            where[half] = _mm256_blendv_epi8(where[half], at[half], _mm256_castps_si256(larger));
+            at[half] = _mm256_add_epi32(at[half], step);
+        }
+    }
+    alignas(32) float lanes_best[kLanes];
+    alignas(32) int32_t lanes_where[kLanes];
+    for (int half = 0; half < 2; ++half) {
+        _mm256_store_ps(lanes_best + 8 * half, best[half]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes_where + 8 * half), where[half]);
+    }
+    return combine_lanes(lanes_best, lanes_where, kLanes, row, index, width);
+}
+#endif
+
+int64_t first_largest(const float* row, int64_t width) {
+#if defined(__x86_64__)
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    if (avx2) return first_largest_avx2(row, width);
+#endif
+    return first_largest_plain(row, width);
+}
+
+// torch.ops.corechat.greedy_tokens: each row's first largest logit, float32 [rows, width] in, int64
+// [rows] out; torch.argmax's choice for rows without NaN (the sampler checks that first).
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+    check_cpu(logits, "logits");
+    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+                "logits must be a contiguous float32 matrix");
+    const int64_t rows = logits.size(0), width = logits.size(1);
+    TORCH_CHECK(width > 0 && width <= std::numeric_limits<int32_t>::max(), "logits' width must be 1 to 2^31 - 1, not ", width);
+    at::Tensor chosen = at::empty({rows}, logits.options().dtype(at::kLong));
+    const float* values = logits.data_ptr<float>();
+    int64_t* out = chosen.data_ptr<int64_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) out[row] = first_largest(values + row * width, width);
+    });
+    return chosen;
+}
+
+// What top_k_tokens returns for a row it leaves to the sampler's whole-row way: more tokens tie at
+// its top_k-th largest logit than its buffer holds.
+constexpr int64_t kWholeRow = -2;
+// The largest top_k served here (the sampler's CANDIDATES), and the candidates held before the
+// k-th largest is looked for again: then the floor rises and every candidate below it is dropped.
+constexpr int64_t kMostTopK = 256;
+constexpr size_t kHeld = 4096;
+
+struct Candidate {
+    float value;
+    int32_t index;
+};
+
+// Keep the candidates at or above the k-th largest value, ties with it included; return that value.
+float keep_largest(std::vector<Candidate>& held, int64_t k) {
+    const auto kth = held.begin() + (k - 1);
+    std::nth_element(held.begin(), kth, held.end(), [](const Candidate& a, const Candidate& b) { return a.value > b.value; });
+    const float floor = kth->value;
+    held.erase(std::remove_if(held.begin(), held.end(), [floor](const Candidate& c) { return c.value < floor; }),
+               held.end());
+    return floor;
+}
+
+// The candidates at or above `floor` among row[from, to) join `held`; at kHeld the floor rises to the
+// k-th largest. Return false where ties at the floor fill half the buffer (the row is left whole).
+bool scan_plain(const float* row, int64_t from, int64_t to, int64_t k, float& floor, std::vector<Candidate>& held) {
+    for (int64_t index = from; index < to; ++index) {
+        if (row[index] >= floor) {
+            held.push_back({row[index], static_cast<int32_t>(index)});
+            if (held.size() >= kHeld) {
+                floor = keep_largest(held, k);
+                if (held.size() > kHeld / 2) return false;
+            }
+        }
+    }
+    return true;
+}
+
+#if defined(__x86_64__)
+// The same, 16 values compared with the floor at a time: most of a vocabulary is below it.
+__attribute__((target("avx2"))) bool scan_avx2(const float* row, int64_t width, int64_t k, float& floor,
+                                               std::vector<Candidate>& held, int64_t& scanned) {
+    int64_t index = 0;
+    for (; index + 16 <= width; index += 16) {
+        const __m256 bound = _mm256_set1_ps(floor);
+        const int low = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + index), bound, _CMP_GE_OQ));
+        const int high = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + index + 8), bound, _CMP_GE_OQ));
+        if ((low | high) == 0) continue;
+        for (unsigned mask = static_cast<unsigned>(low | (high << 8)); mask != 0; mask &= mask - 1) {
+            const int64_t at = index + __builtin_ctz(mask);
+            held.push_back({row[at], static_cast<int32_t>(at)});
+        }
+        if (held.size() + 16 > kHeld) {
+            floor = keep_largest(held, k);
+            if (held.size() > kHeld / 2) return false;
+        }
+    }
+    scanned = index;
+    return true;
+}
+#endif
+
+// The row's top_k largest finite logits and every logit tied with the k-th, into `held`; false where
+// the ties are too many to hold. -inf (a token a grammar or bias forbids) is never a candidate: its
+// weight would be 0.
+bool top_candidates(const float* row, int64_t width, int64_t k, std::vector<Candidate>& held) {
+    held.clear();
+    float floor = std::numeric_limits<float>::lowest();
+    int64_t scanned = 0;
+#if defined(__x86_64__)
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    if (avx2 && !scan_avx2(row, width, k, floor, held, scanned)) return false;
+#endif
+    if (!scan_plain(row, scanned, width, k, floor, held)) return false;
+    if (static_cast<int64_t>(held.size()) > k) keep_largest(held, k);
+    return true;
+}
+
+// Draw among the candidates (the row's top_k, ties included): weights exp((logit - largest) /
+// temperature) in float64, the most likely of them that hold less than top_p of their total before
+// them kept (at least one, and every token as likely as the last kept), then the token where
+// uniform * their total falls in their running sum, taken in vocabulary order.
+int64_t draw_candidates(std::vector<Candidate>& held, double temperature, double top_p, double uniform) {
+    std::sort(held.begin(), held.end(), [](const Candidate& a, const Candidate& b) {
+        return a.value > b.value || (a.value == b.value && a.index < b.index);
+    });
+    const double largest = held.front().value;
+    std::vector<double> weights(held.size());
+    double total = 0.0;
+    for (size_t i = 0; i < held.size(); ++i) {
+        weights[i] = std::exp((static_cast<double>(held[i].value) - largest) / temperature);
+        total += weights[i];
+    }
+    size_t kept = held.size();
+    if (top_p < 1.0) {
+        const double threshold = top_p * total;
+        double before = 0.0;
+        kept = 0;
+        while (kept < held.size() && before < threshold) before += weights[kept++];
+        kept = std::max<size_t>(kept, 1);
+        while (kept < held.size() && weights[kept] == weights[kept - 1]) ++kept;
+    }
+    std::vector<std::pair<int32_t, double>> chosen(kept);
+    for (size_t i = 0; i < kept; ++i) chosen[i] = {held[i].index, weights[i]};
+    std::sort(chosen.begin(), chosen.end());
+    double sum = 0.0;
+    for (const auto& [index, weight] : chosen) sum += weight;
+    const double target = uniform * sum;
+    double running = 0.0;
+    int64_t last_weighted = chosen.front().first;
+    for (const auto& [index, weight] : chosen) {
+        if (weight <= 0.0) continue;
+        running += weight;
+        last_weighted = index;
+        if (running > target) return index;
+    }
+    return last_weighted;  // u * sum rounded up to the sum: never a token of weight 0
+}
+
+// torch.ops.corechat.top_k_tokens: each row's draw among its top_k largest logits (1 to 256), float32
+// [rows, width] with a finite largest value in each row; kWholeRow where ties overflow the candidates.
+at::Tensor top_k_tokens(const at::Tensor& logits, c10::ArrayRef<int64_t> top_k, c10::ArrayRef<double> temperatures,
+                        c10::ArrayRef<double> top_p, c10::ArrayRef<double> uniforms) {
+    check_cpu(logits, "logits");
+    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+                "logits must be a contiguous float32 matrix");
+    const int64_t rows = logits.size(0), width = logits.size(1);
+    TORCH_CHECK(width > 0 && width <= std::numeric_limits<int32_t>::max(), "logits' width must be 1 to 2^31 - 1, not ", width);
+    TORCH_CHECK(static_cast<int64_t>(top_k.size()) == rows && static_cast<int64_t>(temperatures.size()) == rows &&
+                    static_cast<int64_t>(top_p.size()) == rows && static_cast<int64_t>(uniforms.size()) == rows,
+                "one top_k, temperature, top_p and uniform per row");
+    for (int64_t row = 0; row < rows; ++row) {
+        TORCH_CHECK(top_k[row] >= 1 && top_k[row] <= kMostTopK, "top_k must be 1 to ", kMostTopK, ", not ", top_k[row]);
+        TORCH_CHECK(temperatures[row] > 0.0, "temperatures must be positive");
+        TORCH_CHECK(uniforms[row] >= 0.0 && uniforms[row] < 1.0, "uniforms must be in [0, 1)");
+    }
+    at::Tensor chosen = at::empty({rows}, logits.options().dtype(at::kLong));
+    const float* values = logits.data_ptr<float>();
+    int64_t* out = chosen.data_ptr<int64_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        std::vector<Candidate> held;
+        held.reserve(kHeld);
+        for (int64_t row = begin; row < end; ++row) {
+            const bool found = top_candidates(values + row * width, width, std::min(top_k[row], width), held);
+            out[row] = found && !held.empty() ? draw_candidates(held, temperatures[row], top_p[row], uniforms[row]) : kWholeRow;
+        }
+    });
+    return chosen;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(corechat, m) {
+    m.def("greedy_tokens(Tensor logits) -> Tensor", greedy_tokens);
+    m.def("top_k_tokens(Tensor logits, int[] top_k, float[] temperatures, float[] top_p, float[] uniforms) -> Tensor",
+          top_k_tokens);
+}
+
+}  // namespace corechat
