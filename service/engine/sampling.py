@@ -26,7 +26,7 @@ CANDIDATES = 256
 # What sample_tokens returns for a row whose logits are not finite: no vocabulary's id, so it can
 # never pass for text.
 NO_TOKEN = -1
-# What corechat's top-k draw returns for a row it leaves to the whole-row draw (sampling.cpp).
+# What corechat's draw returns for a row it leaves to the draw by probabilities (sampling.cpp).
 WHOLE_ROW = -2
 
 
@@ -240,38 +240,32 @@ def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor
 
 
 @functools.cache
-def _top_k_kernel() -> Callable[..., torch.Tensor]:
-    """Return corechat's top-k draw, loading the kernels where the model did not (a float32 model's
-    engine loads them for this alone): every top_k row draws by it, whatever the DTYPE."""
+def _draw_kernel() -> Callable[..., torch.Tensor]:
+    """Return corechat's draw, loading the kernels where the model did not (a float32 model's engine loads
+    them for this too): every drawn row goes to it first, whatever the DTYPE."""
     try:
-        return torch.ops.corechat.top_k_tokens
+        return torch.ops.corechat.draw_tokens
     except (AttributeError, RuntimeError):
         from . import kernels
         kernels.load()
-        return torch.ops.corechat.top_k_tokens
+        return torch.ops.corechat.draw_tokens
 
 
 def draw(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
-    """Draw each row's token from softmax(logits / temperature), restricted to its top-k and top-p tokens
+    """Draw each row's token from its logits over its temperature, restricted to its top-k and top-p tokens
     (every row's largest logit finite: sample_tokens sets the other rows aside).
 
-    A row with a top_k of at most CANDIDATES draws by corechat's kernel, in one pass over its logits
-    (among its top_k largest logits and their ties, weights and top_p in float64); the others, and
-    rows whose ties at the k-th logit overflow the kernel's candidates, by the probabilities below.
+    corechat's kernel draws a row in one or two passes over its logits (sampling.cpp: weights in
+    float32 by kernels.h's exp, sums in float64): among its top_k largest logits and their ties where
+    top_k is at most CANDIDATES, else over the whole vocabulary, top_p's nucleus found among the
+    CANDIDATES most likely. It leaves to the probabilities below (torch's softmax) a top_k past
+    CANDIDATES, a nucleus wider than CANDIDATES tokens, and ties past what it holds.
     """
-    rows, vocab = logits.shape
-    tokens = [0] * rows
-    listed = [row for row, sampler in enumerate(samplers) if 0 < sampler.params.top_k <= min(CANDIDATES, vocab - 1)]
-    if listed:
-        chosen = _top_k_kernel()(take_rows(logits, listed).contiguous(),
-                                 [samplers[row].params.top_k for row in listed],
-                                 [samplers[row].params.temperature for row in listed],
-                                 [samplers[row].params.top_p for row in listed],
-                                 [samplers[row].uniform() for row in listed]).tolist()
-        for row, token in zip(listed, chosen, strict=True):
-            tokens[row] = token
-    listed_rows = set(listed)
-    rest = [row for row in range(rows) if row not in listed_rows or tokens[row] == WHOLE_ROW]
+    tokens = _draw_kernel()(logits.contiguous(), [max(sampler.params.top_k, 0) for sampler in samplers],
+                            [sampler.params.temperature for sampler in samplers],
+                            [sampler.params.top_p for sampler in samplers],
+                            [sampler.uniform() for sampler in samplers]).tolist()
+    rest = [row for row, token in enumerate(tokens) if token == WHOLE_ROW]
     if rest:
         for row, token in zip(rest, draw_by_probabilities([samplers[row] for row in rest], take_rows(logits, rest))):
             tokens[row] = token

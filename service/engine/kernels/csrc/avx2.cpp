@@ -7,6 +7,8 @@
 #include "lanes_avx2.h"
 #define CORECHAT_ATTEND attend_avx2
 #include "attention.inc"
+#define CORECHAT_TOKEN_WEIGHTS token_weights_avx2
+#include "weights.inc"
 
 namespace corechat {
 

@@ -7,6 +7,8 @@
 #include "lanes_avx512.h"
 #define CORECHAT_ATTEND attend_avx512
 #include "attention.inc"
+#define CORECHAT_TOKEN_WEIGHTS token_weights_avx512
+#include "weights.inc"
 
 namespace corechat {
 

@@ -158,6 +158,16 @@ void attend_reference(const PagedAttention&, int64_t, int64_t);
 void attend_avx2(const PagedAttention&, int64_t, int64_t);
 void attend_avx512(const PagedAttention&, int64_t, int64_t);
 
+// The sampler's weights of a row of logits (weights.inc): each token's token_weight into `weights`,
+// each block of kWeightBlock tokens' sum into `block_sums`; returns their total. Every path gives the
+// reference's bits.
+constexpr int64_t kWeightBlock = 1024;
+using TokenWeightsKernel = double (*)(const float* row, int64_t width, float largest, float temperature, float* weights,
+                                      double* block_sums);
+double token_weights_reference(const float*, int64_t, float, float, float*, double*);
+double token_weights_avx2(const float*, int64_t, float, float, float*, double*);
+double token_weights_avx512(const float*, int64_t, float, float, float*, double*);
+
 static_assert(sizeof(float) == 4 && std::numeric_limits<float>::is_iec559,
               "the conversions below move IEEE binary32 bits");
 
@@ -252,6 +262,14 @@ inline float exp_nonpositive_lane(float x) {
     float power;
     std::memcpy(&power, &bits, sizeof power);
     return y * power;
+}
+
+// The sampler's weight of a token (weights.inc): e^x of x = (logit - largest) / temperature in float32,
+// exp_nonpositive_lane's, and 0 below e^kWeightFloor (no token that far below the largest is drawn).
+constexpr float kWeightFloor = -87.0f;
+inline float token_weight(float logit, float largest, float temperature) {
+    const float x = (logit - largest) / temperature;
+    return x >= kWeightFloor ? exp_nonpositive_lane(x) : 0.0f;
 }
 
 }  // namespace

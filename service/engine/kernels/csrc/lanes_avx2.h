@@ -65,6 +65,11 @@ struct Lanes {
         return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
     }
     static Lanes exp_nonpositive(const Lanes& x) { return {exp8(x.low), exp8(x.high)}; }
+    // values where x >= bound, else 0 (NaN included).
+    static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
+        return {_mm256_and_ps(values.low, _mm256_cmp_ps(x.low, bound.low, _CMP_GE_OQ)),
+                _mm256_and_ps(values.high, _mm256_cmp_ps(x.high, bound.high, _CMP_GE_OQ))};
+    }
     Lanes first(int64_t count) const {
         const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 keep_low = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), index));

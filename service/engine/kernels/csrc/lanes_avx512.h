@@ -54,6 +54,10 @@ struct Lanes {
         const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
         return {_mm512_mul_ps(y, _mm512_castsi512_ps(bits))};
     }
+    // values where x >= bound, else 0 (NaN included).
+    static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
+        return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, bound.v, _CMP_GE_OQ), values.v)};
+    }
     Lanes first(int64_t count) const {
         const __mmask16 keep = count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
         return {_mm512_maskz_mov_ps(keep, v)};

@@ -56,6 +56,12 @@ struct Lanes {
         for (int i = 0; i < 16; ++i) out.v[i] = exp_nonpositive_lane(x.v[i]);
         return out;
     }
+    // values where x >= bound, else 0 (NaN included).
+    static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = x.v[i] >= bound.v[i] ? values.v[i] : 0.0f;
+        return out;
+    }
     // The first `count` lanes, the rest 0.
     Lanes first(int64_t count) const {
         Lanes out = *this;

@@ -269,6 +269,23 @@ AttendKernel select_attend(int64_t requested) {
     }
 }
 
+}  // namespace
+
+TokenWeightsKernel select_token_weights(int64_t path) {
+    switch (resolve(path)) {
+#ifdef CORECHAT_WITH_AVX512_VNNI
+        case kAmx:  // the tile unit serves products only
+        case kAvx512Vnni: return token_weights_avx512;
+#endif
+#ifdef CORECHAT_WITH_AVX2
+        case kAvx2: return token_weights_avx2;
+#endif
+        default: return token_weights_reference;
+    }
+}
+
+namespace {
+
 void check_bfloat16_rows(const at::Tensor& tensor, int64_t rows, int64_t heads, int64_t dim, const char* name) {
     TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
     TORCH_CHECK(tensor.dim() == 3 && tensor.size(0) == rows && tensor.size(1) == heads && tensor.size(2) == dim &&

@@ -7,7 +7,13 @@
 #include <optional>
 #include <vector>
 
+#include "kernels.h"
+
 namespace corechat {
+
+// The sampler's token weights (kernels.h: TokenWeightsKernel) of a kernel path (0: the best, or
+// the one use_path chose).
+TokenWeightsKernel select_token_weights(int64_t path);
 
 // Refuse a tensor that is not in the CPU's memory (a meta or device tensor): the kernels read it directly.
 void check_cpu(const at::Tensor& tensor, const char* name);

@@ -139,3 +139,5 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
 #include "lanes_scalar.h"
 #define CORECHAT_ATTEND attend_reference
 #include "attention.inc"
+#define CORECHAT_TOKEN_WEIGHTS token_weights_reference
+#include "weights.inc"

@@ -1,10 +1,12 @@
-// The step's next tokens from its logits, each row by one pass over its vocabulary instead of the
-// sampler's passes of whole-vocabulary tensors: torch.ops.corechat.greedy_tokens (the first largest
-// logit) and .top_k_tokens (a draw among the top_k largest logits, top_p of them kept). A row's token
-// depends on its own logits and parameters alone, never on the other rows or the thread count.
+// The step's next tokens from its logits, each row in one or two passes over its vocabulary instead
+// of the sampler's passes of whole-vocabulary tensors: torch.ops.corechat.greedy_tokens (the first
+// largest logit) and .draw_tokens (a draw by temperature, top_k and top_p); .token_weights gives the
+// weights draw_tokens draws by. A row's token depends on its own logits and parameters alone, never
+// on the other rows, the thread count or the kernel path.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -104,10 +106,10 @@ at::Tensor greedy_tokens(const at::Tensor& logits) {
     return chosen;
 }
 
-// What top_k_tokens returns for a row it leaves to the sampler's whole-row way: more tokens tie at
-// its top_k-th largest logit than its buffer holds.
+// What draw_tokens returns for a row it leaves to the sampler's whole-row draw in torch: a top_k past
+// kMostTopK, a nucleus wider than kMostTopK tokens, or more ties at the k-th logit than it holds.
 constexpr int64_t kWholeRow = -2;
-// The largest top_k served here (the sampler's CANDIDATES), and the candidates held before the
+// The largest top_k drawn here (the sampler's CANDIDATES), and the candidates held before the
 // k-th largest is looked for again: then the floor rises and every candidate below it is dropped.
 constexpr int64_t kMostTopK = 256;
 constexpr size_t kHeld = 4096;
@@ -166,9 +168,9 @@ __attribute__((target("avx2"))) bool scan_avx2(const float* row, int64_t width, 
 }
 #endif
 
-// The row's top_k largest finite logits and every logit tied with the k-th, into `held`; false where
-// the ties are too many to hold. -inf (a token a grammar or bias forbids) is never a candidate: its
-// weight would be 0.
+// The row's k largest finite logits and every logit tied with the k-th, into `held`, largest first
+// (the lower id first among equals); false where the ties are too many to hold. -inf (a token a
+// grammar or bias forbids) is never a candidate: it weighs 0.
 bool top_candidates(const float* row, int64_t width, int64_t k, std::vector<Candidate>& held) {
     held.clear();
     float floor = std::numeric_limits<float>::lowest();
@@ -179,87 +181,175 @@ bool top_candidates(const float* row, int64_t width, int64_t k, std::vector<Cand
 #endif
     if (!scan_plain(row, scanned, width, k, floor, held)) return false;
     if (static_cast<int64_t>(held.size()) > k) keep_largest(held, k);
-    return true;
-}
-
-// Draw among the candidates (the row's top_k, ties included): weights exp((logit - largest) /
-// temperature) in float64, the most likely of them that hold less than top_p of their total before
-// them kept (at least one, and every token as likely as the last kept), then the token where
-// uniform * their total falls in their running sum, taken in vocabulary order.
-int64_t draw_candidates(std::vector<Candidate>& held, double temperature, double top_p, double uniform) {
     std::sort(held.begin(), held.end(), [](const Candidate& a, const Candidate& b) {
         return a.value > b.value || (a.value == b.value && a.index < b.index);
     });
-    const double largest = held.front().value;
-    std::vector<double> weights(held.size());
-    double total = 0.0;
-    for (size_t i = 0; i < held.size(); ++i) {
-        weights[i] = std::exp((static_cast<double>(held[i].value) - largest) / temperature);
-        total += weights[i];
-    }
-    size_t kept = held.size();
-    if (top_p < 1.0) {
-        const double threshold = top_p * total;
-        double before = 0.0;
-        kept = 0;
-        while (kept < held.size() && before < threshold) before += weights[kept++];
-        kept = std::max<size_t>(kept, 1);
-        while (kept < held.size() && weights[kept] == weights[kept - 1]) ++kept;
-    }
+    return true;
+}
+
+// The most likely of the candidates (largest first, with their weights) that hold less than
+// `threshold` before them: at least one, and every token as likely as the last kept. Returns how many,
+// or 0 where the candidates run out before the threshold or its ties do (the row is left whole).
+size_t nucleus(const std::vector<double>& weights, double threshold, bool whole_row_known) {
+    size_t kept = 0;
+    double before = 0.0;
+    while (kept < weights.size() && before < threshold) before += weights[kept++];
+    if (before < threshold && !whole_row_known) return 0;
+    kept = std::max<size_t>(kept, 1);
+    while (kept < weights.size() && weights[kept] == weights[kept - 1]) ++kept;
+    if (kept == weights.size() && !whole_row_known) return 0;
+    return kept;
+}
+
+// The token where uniform * total falls in the running sum of the kept candidates' weights, taken in
+// vocabulary order; never one of weight 0 (u * total rounded up to the total takes the last weighed).
+int64_t draw_kept(const std::vector<Candidate>& held, const std::vector<double>& weights, size_t kept, double uniform) {
     std::vector<std::pair<int32_t, double>> chosen(kept);
     for (size_t i = 0; i < kept; ++i) chosen[i] = {held[i].index, weights[i]};
     std::sort(chosen.begin(), chosen.end());
-    double sum = 0.0;
-    for (const auto& [index, weight] : chosen) sum += weight;
-    const double target = uniform * sum;
+    double total = 0.0;
+    for (const auto& [index, weight] : chosen) total += weight;
+    const double target = uniform * total;
     double running = 0.0;
-    int64_t last_weighted = chosen.front().first;
+    int64_t last_weighed = chosen.front().first;
     for (const auto& [index, weight] : chosen) {
         if (weight <= 0.0) continue;
         running += weight;
-        last_weighted = index;
+        last_weighed = index;
         if (running > target) return index;
     }
-    return last_weighted;  // u * sum rounded up to the sum: never a token of weight 0
+    return last_weighed;
 }
 
-// torch.ops.corechat.top_k_tokens: each row's draw among its top_k largest logits (1 to 256), float32
-// [rows, width] with a finite largest value in each row; kWholeRow where ties overflow the candidates.
-at::Tensor top_k_tokens(const at::Tensor& logits, c10::ArrayRef<int64_t> top_k, c10::ArrayRef<double> temperatures,
-                        c10::ArrayRef<double> top_p, c10::ArrayRef<double> uniforms) {
+// The token where uniform * total falls in the running sum of the whole row's weights, in vocabulary
+// order: the block first, by the blocks' sums, then the token within it. Never one of weight 0.
+int64_t draw_whole(const float* weights, int64_t width, const double* block_sums, double total, double uniform) {
+    const double target = uniform * total;
+    const int64_t blocks = (width + kWeightBlock - 1) / kWeightBlock;
+    double running = 0.0;
+    int64_t block = 0;
+    while (block < blocks - 1 && running + block_sums[block] <= target) running += block_sums[block++];
+    int64_t last_weighed = -1;
+    for (int64_t index = block * kWeightBlock; index < std::min(width, (block + 1) * kWeightBlock); ++index) {
+        if (weights[index] <= 0.0f) continue;
+        running += weights[index];
+        last_weighed = index;
+        if (running > target) return index;
+    }
+    // Rounding left the target past the block's last weighed token: the last weighed token up to there.
+    for (int64_t index = std::min(width, (block + 1) * kWeightBlock) - 1; last_weighed < 0 && index >= 0; --index) {
+        if (weights[index] > 0.0f) last_weighed = index;
+    }
+    return last_weighed;
+}
+
+struct RowDraw {
+    int64_t top_k;  // 0: off
+    double temperature, top_p, uniform;
+};
+
+// One row's token (kWholeRow where it is left to torch). `weights` and `block_sums` are scratch.
+int64_t draw_row(const float* row, int64_t width, const RowDraw& draw, TokenWeightsKernel weigh,
+                 std::vector<Candidate>& held, std::vector<float>& weights, std::vector<double>& block_sums) {
+    const float temperature = static_cast<float>(draw.temperature);
+    if (draw.top_k > 0) {
+        // Among the top_k: their weights alone, top_p of their total.
+        if (!top_candidates(row, width, std::min(draw.top_k, width), held) || held.empty()) return kWholeRow;
+        std::vector<double> kept_weights(held.size());
+        double total = 0.0;
+        for (size_t i = 0; i < held.size(); ++i) {
+            kept_weights[i] = token_weight(held[i].value, held.front().value, temperature);
+            total += kept_weights[i];
+        }
+        const size_t kept = draw.top_p < 1.0 ? nucleus(kept_weights, draw.top_p * total, true) : held.size();
+        return draw_kept(held, kept_weights, kept, draw.uniform);
+    }
+    // The whole vocabulary: every weight and the total, then the draw (top_p: among the most likely).
+    const float largest = row[first_largest(row, width)];
+    weights.resize(width);
+    block_sums.resize((width + kWeightBlock - 1) / kWeightBlock);
+    const double total = weigh(row, width, largest, temperature, weights.data(), block_sums.data());
+    if (draw.top_p >= 1.0) return draw_whole(weights.data(), width, block_sums.data(), total, draw.uniform);
+    if (!top_candidates(row, width, std::min(kMostTopK, width), held) || held.empty()) return kWholeRow;
+    std::vector<double> kept_weights(held.size());
+    for (size_t i = 0; i < held.size(); ++i) kept_weights[i] = weights[held[i].index];
+    const size_t kept = nucleus(kept_weights, draw.top_p * total, static_cast<int64_t>(held.size()) == width);
+    return kept == 0 ? kWholeRow : draw_kept(held, kept_weights, kept, draw.uniform);
+}
+
+void check_logits(const at::Tensor& logits) {
     check_cpu(logits, "logits");
     TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
                 "logits must be a contiguous float32 matrix");
+    TORCH_CHECK(logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
+                "logits' width must be 1 to 2^31 - 1, not ", logits.size(1));
+}
+
+void check_temperature(double temperature) {
+    TORCH_CHECK(temperature >= std::numeric_limits<float>::min() && temperature <= std::numeric_limits<float>::max(),
+                "temperatures must be float32 normal numbers (smaller ones are greedy), not ", temperature);
+}
+
+// torch.ops.corechat.draw_tokens: each row's draw, float32 [rows, width] with a finite largest value in
+// each row (the sampler fails the others first); top_k 0 is off. kWholeRow where torch must draw.
+at::Tensor draw_tokens(const at::Tensor& logits, c10::ArrayRef<int64_t> top_k, c10::ArrayRef<double> temperatures,
+                       c10::ArrayRef<double> top_p, c10::ArrayRef<double> uniforms, int64_t path) {
+    check_logits(logits);
     const int64_t rows = logits.size(0), width = logits.size(1);
-    TORCH_CHECK(width > 0 && width <= std::numeric_limits<int32_t>::max(), "logits' width must be 1 to 2^31 - 1, not ", width);
     TORCH_CHECK(static_cast<int64_t>(top_k.size()) == rows && static_cast<int64_t>(temperatures.size()) == rows &&
                     static_cast<int64_t>(top_p.size()) == rows && static_cast<int64_t>(uniforms.size()) == rows,
                 "one top_k, temperature, top_p and uniform per row");
     for (int64_t row = 0; row < rows; ++row) {
-        TORCH_CHECK(top_k[row] >= 1 && top_k[row] <= kMostTopK, "top_k must be 1 to ", kMostTopK, ", not ", top_k[row]);
-        TORCH_CHECK(temperatures[row] > 0.0, "temperatures must be positive");
-        TORCH_CHECK(uniforms[row] >= 0.0 && uniforms[row] < 1.0, "uniforms must be in [0, 1)");
+        TORCH_CHECK(top_k[row] >= 0, "top_k must be 0 (off) or positive, not ", top_k[row]);
+        check_temperature(temperatures[row]);
+        TORCH_CHECK(top_p[row] >= 0.0 && top_p[row] <= 1.0, "top_p must be in [0, 1], not ", top_p[row]);
+        TORCH_CHECK(uniforms[row] >= 0.0 && uniforms[row] < 1.0, "uniforms must be in [0, 1), not ", uniforms[row]);
     }
+    const TokenWeightsKernel weigh = select_token_weights(path);
     at::Tensor chosen = at::empty({rows}, logits.options().dtype(at::kLong));
     const float* values = logits.data_ptr<float>();
     int64_t* out = chosen.data_ptr<int64_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-        std::vector<Candidate> held;
+        thread_local std::vector<Candidate> held;
+        thread_local std::vector<float> weights;
+        thread_local std::vector<double> block_sums;
         held.reserve(kHeld);
         for (int64_t row = begin; row < end; ++row) {
-            const bool found = top_candidates(values + row * width, width, std::min(top_k[row], width), held);
-            out[row] = found && !held.empty() ? draw_candidates(held, temperatures[row], top_p[row], uniforms[row]) : kWholeRow;
+            const RowDraw draw{top_k[row], temperatures[row], top_p[row], uniforms[row]};
+            out[row] = draw.top_k > kMostTopK && draw.top_k < width
+                           ? kWholeRow
+                           : draw_row(values + row * width, width, {draw.top_k >= width ? 0 : draw.top_k,
+                                      draw.temperature, draw.top_p, draw.uniform}, weigh, held, weights, block_sums);
         }
     });
     return chosen;
+}
+
+// torch.ops.corechat.token_weights: each row's weights as draw_tokens weighs a whole row (kernels.h:
+// token_weight), float32 [rows, width].
+at::Tensor token_weights(const at::Tensor& logits, c10::ArrayRef<double> temperatures, int64_t path) {
+    check_logits(logits);
+    const int64_t rows = logits.size(0), width = logits.size(1);
+    TORCH_CHECK(static_cast<int64_t>(temperatures.size()) == rows, "one temperature per row");
+    for (const double temperature : temperatures) check_temperature(temperature);
+    const TokenWeightsKernel weigh = select_token_weights(path);
+    at::Tensor weights = at::empty_like(logits);
+    std::vector<double> block_sums((width + kWeightBlock - 1) / kWeightBlock);
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* values = logits.data_ptr<float>() + row * width;
+        weigh(values, width, values[first_largest(values, width)], static_cast<float>(temperatures[row]),
+              weights.data_ptr<float>() + row * width, block_sums.data());
+    }
+    return weights;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(corechat, m) {
     m.def("greedy_tokens(Tensor logits) -> Tensor", greedy_tokens);
-    m.def("top_k_tokens(Tensor logits, int[] top_k, float[] temperatures, float[] top_p, float[] uniforms) -> Tensor",
-          top_k_tokens);
+    m.def("draw_tokens(Tensor logits, int[] top_k, float[] temperatures, float[] top_p, float[] uniforms, int path=0) "
+          "-> Tensor", draw_tokens);
+    m.def("token_weights(Tensor logits, float[] temperatures, int path=0) -> Tensor", token_weights);
 }
 
 }  // namespace corechat
