@@ -14,6 +14,9 @@ MATCH_TOKENS = 3
 # Earlier positions of the last token looked at, most recent first: a common token (a space, a
 # comma) occurs thousands of times in a long prompt, and a step must not walk them all.
 MOST_CANDIDATES = 64
+# The most steps a sequence rests from drafting after drafts rejected whole: each such draft doubles its
+# rest (1, 2, 4, ...), any token taken from a draft ends the doubling.
+LONGEST_REST = 16
 
 
 class PromptLookup:
@@ -27,6 +30,9 @@ class PromptLookup:
         self._positions: dict[int, list[int]] = {}
         self._indexed = 0
         self._taken = 0
+        # Steps left without drafts, and the rest the next draft rejected whole would start.
+        self._resting = 0
+        self._rest = 0
 
     def propose(self, taken_ids: list[int], most: int) -> list[int]:
         """Return up to `most` tokens that followed the latest earlier occurrence of the history's last
@@ -38,6 +44,9 @@ class PromptLookup:
             self._positions.setdefault(history[position], []).append(position)
         self._indexed = max(self._indexed, len(history) - 1)
         most = min(most, self.limit)
+        if self._resting:
+            self._resting -= 1
+            return []
         if len(history) < MATCH_TOKENS or most <= 0:
             return []
         last = history[-MATCH_TOKENS:]
@@ -48,8 +57,15 @@ class PromptLookup:
 
     def judged(self, proposed: int, accepted: int) -> None:
         """Size the next drafts by how this one fared: twice as long after a draft taken whole (up to the
-        setting), one past its taken part after a miss. Where the text stops repeating (a sampled story),
-        each step then computes at most one row for nothing instead of the setting's; where it goes on
+        setting), one past its taken part after a miss; after a draft rejected whole, no drafts for a
+        rest that doubles with each such draft in a row (up to LONGEST_REST steps). Where the text stops
+        repeating (a sampled story), steps then seldom compute a row for nothing; where it goes on
         repeating (an edited block), a run's drafts grow back to full length within a few steps."""
-        if proposed:
-            self.limit = min(self.most, 2 * self.limit) if accepted == proposed else accepted + 1
+        if not proposed:
+            return
+        self.limit = min(self.most, 2 * self.limit) if accepted == proposed else accepted + 1
+        if accepted:
+            self._rest = 0
+        else:
+            self._rest = min(LONGEST_REST, 2 * self._rest or 1)
+            self._resting = self._rest

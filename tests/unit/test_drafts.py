@@ -1,7 +1,7 @@
 """Draft tokens from a sequence's own text (service/engine/drafts.py) and their share of a step's rows
 (service/engine/speculation.py)."""
 
-from service.engine.drafts import MOST_CANDIDATES, PromptLookup
+from service.engine.drafts import LONGEST_REST, MOST_CANDIDATES, PromptLookup
 from service.engine.speculation import share_rows
 
 
@@ -56,6 +56,7 @@ def test_drafts_shrink_after_a_miss_and_grow_back_while_taken_whole():
     lookup = PromptLookup(text[:23], 8)
     assert len(lookup.propose([], 8)) == 8
     lookup.judged(8, 0)
+    assert lookup.propose([], 8) == []  # a step's rest after a draft rejected whole
     assert len(lookup.propose([], 8)) == 1
     lookup.judged(1, 1)
     assert len(lookup.propose([], 8)) == 2
@@ -68,3 +69,20 @@ def test_drafts_shrink_after_a_miss_and_grow_back_while_taken_whole():
     assert len(lookup.propose([], 8)) == 4
     lookup.judged(0, 0)
     assert lookup.limit == 4
+
+
+def test_drafts_rejected_whole_in_a_row_rest_twice_as_long_each_time_until_a_token_is_taken():
+    """Where drafts keep missing (a sampled story), the sequence drafts ever more rarely, up to one step in
+    LONGEST_REST + 1; a draft token taken ends the doubling, so repeating text drafts again at once."""
+    lookup = PromptLookup(list(range(20)) * 2, 8)
+
+    def rest_after_a_whole_miss() -> int:
+        lookup.judged(1, 0)
+        steps = 0
+        while not lookup.propose([], 8):
+            steps += 1
+        return steps
+
+    assert [rest_after_a_whole_miss() for _ in range(7)] == [1, 2, 4, 8, LONGEST_REST, LONGEST_REST, LONGEST_REST]
+    lookup.judged(1, 1)
+    assert rest_after_a_whole_miss() == 1
