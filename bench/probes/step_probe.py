@@ -15,7 +15,7 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
   its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
   every chunk, on random keys at the same positions) to split the layers' time into attention and
   the rest (products, norms, rotary), whose multiply-adds per second the table gives.
-- with --server: Gunicorn with one worker on the same threads serves lone streams in turns with
+- with --server: Gunicorn with one worker on the same threads (SPECULATIVE_TOKENS=0) serves lone streams in turns with
   runs of the same steps in this process: what serving adds per token, and how much of it the
   engine spends inside its steps outside the forward (its decode_overhead_fraction).
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
@@ -168,7 +168,7 @@ def lone_steps(runner, prompt_ids: list[int], steps: int) -> float:
 
 
 def measure_server(runner, prompt_ids: list[int], dtype: str, threads: int, rounds: int) -> dict:
-    """Time a lone stream's decode through Gunicorn (one worker on `threads` threads) in turns with
+    """Time a lone stream's decode through Gunicorn (one worker on `threads` threads, no speculation) in turns with
     the same steps in this process: what serving adds to a step (sampling, text, delivery, HTTP, the
     client), and the part of it the engine counts inside its steps (decode_overhead_fraction)."""
     from bench import start_corechat
@@ -178,7 +178,9 @@ def measure_server(runner, prompt_ids: list[int], dtype: str, threads: int, roun
 
     steps, tokens = [], []
     with tempfile.TemporaryDirectory(prefix="corechat-step-") as scratch:
-        server, _ = start_corechat(Path(scratch), DEV_MODEL_DIR, "", dtype=dtype, workers=1, torch_threads=threads)
+        # Without speculation, whose drafts would make the served steps other steps than these.
+        server, _ = start_corechat(Path(scratch), DEV_MODEL_DIR, "", dtype=dtype, workers=1, torch_threads=threads,
+                                   speculative_tokens=0)
         try:
             stream_chat(server.url, short("warm"), 8)
             for number in range(rounds):
