@@ -263,7 +263,7 @@ def draw(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
     """
     tokens = _draw_kernel()(logits.contiguous(), [max(sampler.params.top_k, 0) for sampler in samplers],
                             [sampler.params.temperature for sampler in samplers],
-                            [sampler.params.top_p for sampler in samplers],
+                            [min(max(sampler.params.top_p, 0.0), 1.0) for sampler in samplers],
                             [sampler.uniform() for sampler in samplers]).tolist()
     rest = [row for row, token in enumerate(tokens) if token == WHOLE_ROW]
     if rest:

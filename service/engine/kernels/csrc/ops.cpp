@@ -256,32 +256,39 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, c
 
 namespace {
 
-AttendKernel select_attend(int64_t requested) {
-    switch (resolve(requested)) {
-#ifdef CORECHAT_WITH_AVX512_VNNI
-        case kAmx:  // the tile unit serves products only
-        case kAvx512Vnni: return attend_avx512;
-#endif
+// The path's member of a family of kernels built on `Lanes` (attention.inc, weights.inc): the AVX-512
+// one on the tile unit's path too, which serves products only. A family's members for paths this
+// library was not built with are nullptr, which resolve() never lets through.
 #ifdef CORECHAT_WITH_AVX2
-        case kAvx2: return attend_avx2;
+#define CORECHAT_IF_AVX2(kernel) kernel
+#else
+#define CORECHAT_IF_AVX2(kernel) nullptr
 #endif
-        default: return attend_reference;
+#ifdef CORECHAT_WITH_AVX512_VNNI
+#define CORECHAT_IF_AVX512(kernel) kernel
+#else
+#define CORECHAT_IF_AVX512(kernel) nullptr
+#endif
+template <typename Kernel>
+Kernel lanes_kernel(int64_t requested, Kernel reference, Kernel avx2, Kernel avx512) {
+    switch (resolve(requested)) {
+        case kAmx:
+        case kAvx512Vnni: return avx512;
+        case kAvx2: return avx2;
+        default: return reference;
     }
+}
+
+AttendKernel select_attend(int64_t requested) {
+    return lanes_kernel<AttendKernel>(requested, attend_reference, CORECHAT_IF_AVX2(attend_avx2),
+                                      CORECHAT_IF_AVX512(attend_avx512));
 }
 
 }  // namespace
 
 TokenWeightsKernel select_token_weights(int64_t path) {
-    switch (resolve(path)) {
-#ifdef CORECHAT_WITH_AVX512_VNNI
-        case kAmx:  // the tile unit serves products only
-        case kAvx512Vnni: return token_weights_avx512;
-#endif
-#ifdef CORECHAT_WITH_AVX2
-        case kAvx2: return token_weights_avx2;
-#endif
-        default: return token_weights_reference;
-    }
+    return lanes_kernel<TokenWeightsKernel>(path, token_weights_reference, CORECHAT_IF_AVX2(token_weights_avx2),
+                                            CORECHAT_IF_AVX512(token_weights_avx512));
 }
 
 namespace {
