@@ -24,6 +24,7 @@ from .loading import (
     load_model,
     load_tokenizer,
     model_fingerprint,
+    read_into_page_cache,
     resolve_model_dir,
 )
 from .memory import KVBudget, kv_bytes_per_token, pages_needed, return_freed_memory
@@ -198,6 +199,7 @@ class Engine:
                                  Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take,
                                  kernel_path=self.settings.kernel_path)
         weight_format = prepared.weight_format
+        read_into_page_cache(self.model.get_input_embeddings().weight)
         self.facts.update(kernel_paths=prepared.kernel_paths, quantization=prepared.quantization,
                           converted_weights=prepared.converted_weights, forward=prepared.forward)
         if prepared.converted_weights is not None:

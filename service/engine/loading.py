@@ -3,6 +3,7 @@
 import hashlib
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -23,6 +24,9 @@ _BUILDING = threading.Lock()
 
 class ModelNotFound(RuntimeError):
     """The model folder or hub id cannot be resolved to files on this machine."""
+
+# Bytes read_into_page_cache reads at a time.
+READ_CHUNK = 8 << 20
 
 
 def resolve_model_dir(model: str, converted_dir: Path) -> Path:
@@ -128,6 +132,41 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     not N (tests/unit/test_loading.py checks that every tensor lies inside the file's one mapping).
     """
     return load_file(path)
+
+
+def read_into_page_cache(tensor: torch.Tensor) -> int:
+    """Read a file-mapped tensor's bytes once from its file (in READ_CHUNK pieces into one buffer, never
+    through the mapping, so no page of it joins the process), so that they are in the page cache before
+    serving; return the bytes read (0 for a tensor that is not a mapped file's).
+
+    The embedding table is read a row at a time, the first time each token occurs, on the engine's
+    thread: a row whose page is not cached stalls every stream for a read from disk (after a reboot,
+    one lookup in ten took 4-12 ms on the dev model; docs/performance.md).
+    """
+    address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    found = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            if low <= address < high and len(fields) == 6 and fields[5].startswith("/"):
+                found = fields[5].rstrip("\n"), int(fields[2], 16) + address - low
+                break
+    if found is None or size == 0:
+        return 0
+    path, offset = found
+    buffer = memoryview(bytearray(min(READ_CHUNK, size)))
+    done = 0
+    try:
+        with open(path, "rb", buffering=0) as file:
+            while done < size:
+                count = os.preadv(file.fileno(), [buffer[:min(len(buffer), size - done)]], offset + done)
+                if count <= 0:
+                    break
+                done += count
+    except OSError as exc:  # the file was replaced or removed since it was mapped
+        log.debug("could not read %s ahead: %s", path, exc)
+    return done
 
 
 def load_model(model_dir: Path, dtype: torch.dtype):

@@ -1,7 +1,9 @@
 """Finding and loading models: local folders, hub ids without a network, sharded checkpoints, mapped weights,
 fingerprints."""
 
+import ctypes
 import json
+import mmap
 import os
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import file_mappings
-from service.engine.loading import ModelNotFound, load_model, map_safetensors, resolve_model_dir
+from service.engine.loading import ModelNotFound, load_model, map_safetensors, read_into_page_cache, resolve_model_dir
 
 
 def test_missing_folder_names_the_fix(tmp_path):
@@ -164,3 +166,52 @@ def test_a_weight_files_hash_is_kept_until_the_file_changes(tiny_model_dir, tmp_
     flip_byte(weights, 1000)
     os.utime(weights, ns=(mtime, mtime))  # a write in place that puts the mtime back
     assert file_sha256(weights, tmp_path / "hashes") == hashlib.sha256(weights.read_bytes()).hexdigest() != real
+
+
+def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """Return how many of a mapped tensor's pages are in the page cache (mincore), and how many it spans."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = (length + page - 1) // page
+    vector = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) == 0
+    return sum(byte & 1 for byte in vector), pages
+
+
+def test_the_embedding_table_is_read_into_the_page_cache_without_joining_the_process(tmp_path):
+    """A mapped tensor's pages, dropped from the page cache (as after a reboot), are all cached once
+    read_into_page_cache returns, though the process read none of them through its mapping; a tensor
+    that is no file's is left alone."""
+    path = tmp_path / "table.safetensors"
+    save_file({"table": torch.randn(4096, 513)}, str(path))  # 8.0 MiB and a piece
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+    table = map_safetensors(path)["table"]
+    resident, pages = resident_pages(table)
+    if resident == pages:
+        pytest.skip("this file system keeps the file's pages cached whatever it is told (tmpfs)")
+    mapped = memory_of_mapping(table)  # the header safetensors read, and the pages around it
+    assert read_into_page_cache(table) == table.numel() * 4
+    assert resident_pages(table) == (pages, pages)
+    assert memory_of_mapping(table) == mapped < 8192
+    assert read_into_page_cache(torch.zeros(1000)) == 0
+
+
+def memory_of_mapping(tensor: torch.Tensor) -> int:
+    """Return the kB of the file mapping holding a tensor that the process has in memory (its Rss)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(bound, 16) for bound in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
