@@ -199,7 +199,8 @@ def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int
 @functools.cache
 def _first_largest() -> Callable[[torch.Tensor], torch.Tensor]:
     """Return corechat's greedy kernel, or torch.argmax over the last dimension where the kernels are not
-    loaded (float32 models run without them): looked up once, not every token. Both choose alike."""
+    loaded (a tool calling the sampler outside an engine, which loads them at every DTYPE): looked up
+    once, not every token. Both choose alike."""
     try:
         return torch.ops.corechat.greedy_tokens
     except (AttributeError, RuntimeError):
