@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Sampler, penalized, take_rows
+from .draws import take_rows
+from .sampling import Sampler, penalized
 
 
 @dataclass(frozen=True)

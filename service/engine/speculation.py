@@ -24,12 +24,13 @@ from typing import Protocol
 import torch
 
 from .drafts import PromptLookup
+from .draws import take_rows
 from .events import Failed
 from .facts import EngineFacts
 from .grammar import mask_logits
 from .kvpool import SequencePages
 from .logprobs import TokenLogprobs, token_logprobs
-from .sampling import biased, sample_tokens, take_rows
+from .sampling import biased, sample_tokens
 from .sequences import Delivery, Sequence
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from service.engine import kernels
-from service.engine.sampling import CANDIDATES, WHOLE_ROW, Sampler, SamplingParams, sample_tokens
+from service.engine.draws import CANDIDATES, WHOLE_ROW
+from service.engine.sampling import Sampler, SamplingParams, sample_tokens
 
 INF = float("inf")
 SMALLEST_NORMAL = torch.finfo(torch.float32).smallest_normal

@@ -5,9 +5,9 @@ import collections
 import pytest
 import torch
 
+from service.engine.draws import CANDIDATES, candidate_floors, kept_floors
 from service.engine.logprobs import prompt_token_logprobs, token_logprobs
 from service.engine.sampling import (
-    CANDIDATES,
     GREEDY_BELOW_TEMPERATURE,
     NO_TOKEN,
     SEEN_CAPACITY,
@@ -15,9 +15,7 @@ from service.engine.sampling import (
     Sampler,
     SamplingParams,
     biased,
-    candidate_floors,
     choice_seed,
-    kept_floors,
     penalized,
     sample_tokens,
 )
