@@ -20,13 +20,12 @@ HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "
 # transformers builds a model under a process-wide default dtype it sets and restores; two threads
 # building at once restore each other's setting and leave bfloat16 as the process's default.
 _BUILDING = threading.Lock()
+# Bytes read_into_page_cache reads at a time.
+READ_CHUNK = 8 << 20
 
 
 class ModelNotFound(RuntimeError):
     """The model folder or hub id cannot be resolved to files on this machine."""
-
-# Bytes read_into_page_cache reads at a time.
-READ_CHUNK = 8 << 20
 
 
 def resolve_model_dir(model: str, converted_dir: Path) -> Path:
@@ -141,7 +140,7 @@ def read_into_page_cache(tensor: torch.Tensor) -> int:
 
     The embedding table is read a row at a time, the first time each token occurs, on the engine's
     thread: a row whose page is not cached stalls every stream for a read from disk (after a reboot,
-    one lookup in ten took 4-12 ms on the dev model; docs/performance.md).
+    one lookup in ten took 3-14 ms on the dev model; docs/performance.md).
     """
     address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     found = None

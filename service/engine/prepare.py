@@ -28,12 +28,13 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
 
     int8 and int4 swap in QuantizedLinear layers; they and bfloat16 run the lean forward (qwen2.py)
     with corechat's attention kernel for Qwen2-family models, so the kernels are loaded for all
-    three (and loaded at float32 too, for the sampler). float32, and models the lean forward does not serve, run transformers' own forward. weight_format names what decides the
-    replies' bits, so hosts that differ in it never share cached replies. between_layers runs
-    before every decoder layer of every forward (the engine's core sharing, cores.py). kernel_path
-    names the kernels' instruction-set path (KERNEL_PATH; every path gives the same bits).
+    three; float32 loads them too, for the sampler's kernels. float32, and models the lean forward
+    does not serve, run transformers' own forward. weight_format names what decides the replies'
+    bits, so hosts that differ in it never share cached replies. between_layers runs before every
+    decoder layer of every forward (the engine's core sharing, cores.py). kernel_path names the
+    kernels' instruction-set path (KERNEL_PATH; every path gives the same bits).
     """
-    kernels.load(kernels_dir)  # the sampler's top-k draw runs on them at every DTYPE
+    kernels.load(kernels_dir)  # the sampler's greedy and draw kernels run on them at every DTYPE
     if dtype == "float32":
         call_between_layers(model, between_layers)
         return PreparedModel(weight_format=dtype, forward="transformers")

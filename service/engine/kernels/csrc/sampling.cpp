@@ -89,14 +89,20 @@ int64_t first_largest(const float* row, int64_t width) {
     return first_largest_plain(row, width);
 }
 
-// torch.ops.corechat.greedy_tokens: each row's first largest logit, float32 [rows, width] in, int64
-// [rows] out; torch.argmax's choice for rows without NaN (the sampler checks that first).
-at::Tensor greedy_tokens(const at::Tensor& logits) {
+// A matrix of logits the operators below take: float32, contiguous, rows of 1 to 2^31 - 1 values.
+void check_logits(const at::Tensor& logits) {
     check_cpu(logits, "logits");
     TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
                 "logits must be a contiguous float32 matrix");
+    TORCH_CHECK(logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
+                "logits' width must be 1 to 2^31 - 1, not ", logits.size(1));
+}
+
+// torch.ops.corechat.greedy_tokens: each row's first largest logit, float32 [rows, width] in, int64
+// [rows] out; torch.argmax's choice for rows without NaN (the sampler checks that first).
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+    check_logits(logits);
     const int64_t rows = logits.size(0), width = logits.size(1);
-    TORCH_CHECK(width > 0 && width <= std::numeric_limits<int32_t>::max(), "logits' width must be 1 to 2^31 - 1, not ", width);
     at::Tensor chosen = at::empty({rows}, logits.options().dtype(at::kLong));
     const float* values = logits.data_ptr<float>();
     int64_t* out = chosen.data_ptr<int64_t>();
@@ -275,14 +281,6 @@ int64_t draw_row(const float* row, int64_t width, const RowDraw& draw, TokenWeig
     for (size_t i = 0; i < held.size(); ++i) kept_weights[i] = weights[held[i].index];
     const size_t kept = nucleus(kept_weights, draw.top_p * total, static_cast<int64_t>(held.size()) == width);
     return kept == 0 ? kWholeRow : draw_kept(held, kept_weights, kept, draw.uniform);
-}
-
-void check_logits(const at::Tensor& logits) {
-    check_cpu(logits, "logits");
-    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
-                "logits must be a contiguous float32 matrix");
-    TORCH_CHECK(logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
-                "logits' width must be 1 to 2^31 - 1, not ", logits.size(1));
 }
 
 void check_temperature(double temperature) {
