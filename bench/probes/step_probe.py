@@ -9,15 +9,15 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
   layer's attention, the output product; the layers' time around their products and attention and
   the step's time outside the layers are the differences. Products are given in weights read per
   second against the read bandwidth (bench.probes bandwidth, in the same command). Sampling is
-  timed apart (greedy, and Qwen2.5's defaults: temperature 0.7, top_p 0.8, top_k 20, repetition
-  penalty 1.05 over the prompt; all rows in the engine's one call).
+  timed apart (greedy, and the dev model's generation_config, Qwen2.5's: temperature 0.7, top_p 0.8,
+  top_k 20, repetition penalty 1.05 over the prompt; all rows in the engine's one call).
 - prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled;
   its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
   every chunk, on random keys at the same positions) to split the layers' time into attention and
   the rest (products, norms, rotary), whose multiply-adds per second the table gives.
-- with --server: Gunicorn with one worker on the same threads (SPECULATIVE_TOKENS=0) serves lone streams in turns with
-  runs of the same steps in this process: what serving adds per token, and how much of it the
-  engine spends inside its steps outside the forward (its decode_overhead_fraction).
+- with --server: Gunicorn with one worker on the same threads (SPECULATIVE_TOKENS=0) serves lone
+  streams in turns with runs of the same steps in this process: what serving adds per token, and
+  how much of it the engine spends inside its steps outside the forward (its decode_overhead_fraction).
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
 its neighbours' cores). It prints a table and writes bench/results/<machine>/step.json and .md with the CPU,
 date and commit.
@@ -41,7 +41,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.probes import run_probe  # noqa: E402
-from bench.probes.dev_model import load_dev_runner  # noqa: E402
+from bench.probes.dev_model import DEV_MODEL_DIR, load_dev_runner  # noqa: E402
+from service.engine.loading import load_generation_defaults  # noqa: E402
 from service.engine.qwen2 import Rows, product  # noqa: E402
 from service.engine.sampling import Sampler, SamplingParams, sample_tokens  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -132,10 +133,12 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
         for kv in kvs:
             runner.release(kv)
     sampling = {}
-    # What a request that names no sampling gets from Qwen2.5's generation_config, over this prompt.
+    # What a request that names no sampling gets: the dev model's generation_config (Qwen2.5's), over this prompt.
+    defaults = load_generation_defaults(DEV_MODEL_DIR)
     for name, params in {"greedy": SamplingParams(max_tokens=1, temperature=0.0),
-                         "defaults": SamplingParams(max_tokens=1, temperature=0.7, top_p=0.8, top_k=20,
-                                                    repetition_penalty=1.05, seed=1)}.items():
+                         "defaults": SamplingParams(max_tokens=1, temperature=defaults.temperature, top_p=defaults.top_p,
+                                                    top_k=defaults.top_k, repetition_penalty=defaults.repetition_penalty,
+                                                    seed=1)}.items():
         samples = []
         for _ in range(SAMPLING_REPEATS):
             samplers = [Sampler(params, logits.shape[-1], prompt_ids) for _ in range(rows)]
@@ -168,11 +171,10 @@ def lone_steps(runner, prompt_ids: list[int], steps: int) -> float:
 
 
 def measure_server(runner, prompt_ids: list[int], dtype: str, threads: int, rounds: int) -> dict:
-    """Time a lone stream's decode through Gunicorn (one worker on `threads` threads, no speculation) in turns with
-    the same steps in this process: what serving adds to a step (sampling, text, delivery, HTTP, the
+    """Time a lone stream's decode through Gunicorn (one worker on `threads` threads, no speculation) in
+    turns with the same steps in this process: what serving adds to a step (sampling, text, delivery, HTTP, the
     client), and the part of it the engine counts inside its steps (decode_overhead_fraction)."""
     from bench import start_corechat
-    from bench.probes.dev_model import DEV_MODEL_DIR
     from bench.versus import REPLY_TOKENS, short
     from harness import stream_chat
 
