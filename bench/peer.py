@@ -35,8 +35,9 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PEER_DIR = Path.home() / ".cache" / "corechat" / "peer"
 # llama-perplexity scores the peer's formats for the quality benchmark (bench/quality.py).
 BUILD_TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
-# What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight.
-QUANTIZATIONS = ("q8_0", "q4_0")
+# What a user picking llama.cpp for a CPU serves: 8 and 4 bits per weight, and q4_1 (a scale and a minimum
+# per 32 weights) beside corechat's int4m.
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")
 # Only what the two targets need: no tests, examples, web UI download, HTTPS or shared libraries.
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",

@@ -6,6 +6,7 @@ formats of the same width.
     python bench/quality.py --dtypes int8 --peer-formats q8_0
     python bench/quality.py --no-peer              # corechat alone, without building llama.cpp
     python bench/quality.py --model MODEL          # a GGUF file or a model folder
+    python bench/quality.py --off-grid --name quality-off-grid   # the model moved off its GGUF grid (bench/off_grid.py)
 
 The text (the GPL-3, as Debian ships it) is cut as `llama-perplexity -c 512` cuts it: tokenized whole,
 a BOS first where the vocabulary adds one, then as many whole windows of 512 tokens as fit, each
@@ -37,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench import progress, save_results  # noqa: E402
+from bench.off_grid import off_grid_model  # noqa: E402
 from bench.perplexity import (  # noqa: E402
     BaseFile,
     Scores,
@@ -56,11 +58,11 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 # llama-perplexity's default context, which the figures llama.cpp's users quote are measured with.
 WINDOW = 512
 REFERENCE = "float32"
-DTYPES = (REFERENCE, "bfloat16", "int8", "int4")
+DTYPES = (REFERENCE, "bfloat16", "int8", "int4", "int4m")
 PEER_REFERENCE = "f32"
-PEER_FORMATS = ("q8_0", "q4_0", "q4_K_M")
+PEER_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_K_M")
 # The table groups formats by width, so that each of corechat's stands beside llama.cpp's of its width.
-WIDTHS = {"float32": 32, "f32": 32, "bfloat16": 16, "bf16": 16, "f16": 16, "int8": 8, "int4": 4}
+WIDTHS = {"float32": 32, "f32": 32, "bfloat16": 16, "bf16": 16, "f16": 16, "int8": 8, "int4": 4, "int4m": 4}
 # llama-perplexity leaves a reference token out of the KL divergence below this log-probability (its
 # base file stores log-probabilities only down to it); the cross-check of the references does the same.
 PEER_LOG_PROB_FLOOR = -16.0
@@ -263,16 +265,22 @@ def main() -> None:
     parser.add_argument("--peer-formats", nargs="+", default=list(PEER_FORMATS),
                         help="llama-quantize types scored against llama.cpp's f32")
     parser.add_argument("--no-peer", action="store_true", help="corechat alone")
+    parser.add_argument("--off-grid", action="store_true",
+                        help="score the model with its weights moved off the grid its GGUF file stored them on")
     parser.add_argument("--name", default="quality", help="the results file's name")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     model = args.model or gguf_path()
-    model_dir = resolve_model_dir(str(model), Path(Settings().converted_weights_dir))
+    converted = Path(Settings().converted_weights_dir)
+    model_dir = resolve_model_dir(str(model), converted)
+    if args.off_grid:
+        model_dir = off_grid_model(model_dir, converted)
     tokenizer = load_tokenizer(model_dir)
     ids, bos = text_tokens(tokenizer, read_text(TEXT))
-    results = {"model": model.name, "model_dir": model_dir.name, "threads": args.threads, "llama.cpp": {},
+    results = {"model": model.name + (", its weights moved off their grid (bench/off_grid.py)" if args.off_grid else ""),
+               "model_dir": model_dir.name, "threads": args.threads, "llama.cpp": {},
                "token_ids": "corechat's tokenizer's (not compared: no llama.cpp run)"}
     text = {"file": str(TEXT), "tokens": len(ids)}
     with tempfile.TemporaryDirectory(prefix="corechat-quality-") as scratch:

@@ -51,7 +51,10 @@ from harness import concurrent_streams, free_port, memory_of, processes_of, stre
 from service.settings import Settings  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
 
-PEER_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
+# Each format beside llama.cpp's of the same width; int4m (5 bits a weight, as q4_1) also beside q4_0, the
+# 4-bit format users pick for speed, where a run holds int4 too.
+PEER_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0", "int4m": "q4_1"}
+DEFAULT_FORMATS = ("int8", "int4")
 CONTEXT_TOKENS = 8192
 REPLY_TOKENS = 128
 STREAM_COUNTS = (4, 8)
@@ -60,8 +63,8 @@ LONG_PROMPTS = {"850": 57, "5000": 334}
 
 
 def formats_for(dtype: str) -> list[str]:
-    """Return the formats a run compares: both quantized ones, the served one first."""
-    return [dtype, *(fmt for fmt in PEER_QUANTIZATION if fmt != dtype)] if dtype in PEER_QUANTIZATION else list(PEER_QUANTIZATION)
+    """Return the formats a run compares: the default ones, the served one first."""
+    return [dtype, *(fmt for fmt in DEFAULT_FORMATS if fmt != dtype)] if dtype in PEER_QUANTIZATION else list(DEFAULT_FORMATS)
 
 
 def chat(sentences: int, tag: str) -> list[dict]:
@@ -235,6 +238,17 @@ def value_of(figures: dict, key: str) -> float:
     return figures["pss_bytes"] / 1e9 if key == "pss_gigabytes" else figures[key]
 
 
+def cross_ratios(rounds: list[dict], peer: str, fmt: str, peer_fmt: str) -> list[str]:
+    """Return the lines of corechat `fmt` beside the peer's format for corechat `peer_fmt`, per round (the
+    same run, so the same machine minutes apart)."""
+    lines = [f"## corechat {fmt} vs {peer} {PEER_QUANTIZATION[peer_fmt]}", "",
+             f"| measurement | corechat {fmt} / {peer} {PEER_QUANTIZATION[peer_fmt]}, per round |", "|---|---|"]
+    for label, key, unit, _, _ in METRICS[:4]:
+        ratios = [figures[f"corechat {fmt}"][key] / figures[f"{peer} {peer_fmt}"][key] for figures in rounds]
+        lines.append(f"| {label} ({unit}) | " + ", ".join(f"{ratio:.2f}x" for ratio in ratios) + " |")
+    return [*lines, ""]
+
+
 def render(name: str, results: dict) -> str:
     """Return the markdown tables of a run."""
     rounds, probes = results["rounds"], results["machine_probes"]
@@ -278,6 +292,8 @@ def render(name: str, results: dict) -> str:
         lines += ["", f"Both made {tokens.pop()} prompt tokens of the short chat: the same template and tokenizer."
                   if len(tokens) == 1 else f"**The prompts differ** ({sorted(tokens)} tokens of the short chat): the "
                   "servers did not run the same work.", ""]
+    if {"int4", "int4m"} <= set(results["formats"]):
+        lines += cross_ratios(rounds, peer, "int4m", "int4")
     if "multi_turn" in rounds[0].get("corechat int8", {}):
         turns = results["sizes"]["conversations"]["turns"]
         lines += ["## Multi-turn: "
@@ -317,7 +333,7 @@ def main() -> None:
     """Run the rounds, print the tables and write the results files."""
     parser = argparse.ArgumentParser(prog="python bench/versus.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
-    parser.add_argument("--formats", nargs="+", default=list(PEER_QUANTIZATION), choices=sorted(PEER_QUANTIZATION))
+    parser.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS), choices=sorted(PEER_QUANTIZATION))
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round: checks that it all runs")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="avx2: both servers on AVX2 at most, as on an AVX2-only CPU")

@@ -26,9 +26,10 @@ def converted_weights_path(server_log: str) -> Path | None:
 
 
 def served_weight_bytes(model_dir: Path, dtype: str, converted: Path | None) -> int:
-    """Return the bytes of one copy of the weights as served: for int8 and int4 the converted file plus the bf16 tensors it keeps."""
+    """Return the bytes of one copy of the weights as served: for int8, int4 and int4m the converted file plus the bf16
+    tensors it keeps."""
     counts = element_counts_of(model_dir)
-    if dtype not in ("int8", "int4"):
+    if dtype not in ("int8", "int4", "int4m"):
         return sum(counts.values()) * {"bfloat16": 2, "float32": 4}[dtype]
     replaced = {name.removesuffix(".qweight") for name in safetensors_header(converted) if name.endswith(".qweight")}
     return converted.stat().st_size + 2 * sum(count for name, count in counts.items() if name not in replaced)
@@ -42,9 +43,10 @@ def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     # A token looks up one embedding row; the output layer reads the whole matrix (the same one when tied).
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
-    # int8 and int4: a byte or half a byte per weight and a float16 scale per 32; int4's output layer is int8.
-    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1.0625, "int4": 0.5625}[dtype]
+    # int8 and int4: a byte or half a byte per weight and a float16 scale per 32 (int4m a float16 minimum too);
+    # the 4-bit formats' output layer is int8.
+    element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1.0625, "int4": 0.5625, "int4m": 0.625}[dtype]
     output = embedding if config.get("tie_word_embeddings") else element_counts.get("lm_head.weight", 0)
-    output_bytes = {"int4": 1.0625}.get(dtype, element_bytes)
+    output_bytes = {"int4": 1.0625, "int4m": 1.0625}.get(dtype, element_bytes)
     return {"parameters": total, "parameters_read_per_token": read,
             "bytes_per_token": (read - output) * element_bytes + output * output_bytes}

@@ -37,11 +37,11 @@ class Settings(BaseSettings):
         "the first alias, else the model's id."
     )
     dtype: str = Field(
-        "int8", description="Weight format: int8 or int4 (Linear weights as 8- or 4-bit integers, a float16 "
-        "scale per group of 32; int4's output layer int8), converted once into a file beside the model that "
-        "workers share, the rest bfloat16; or bfloat16, or float32. int8 and int4 run corechat's own kernels, "
-        "and their replies do not depend on what else a worker decodes (docs/performance.md); what each format "
-        "costs in faithfulness: docs/configuration.md."
+        "int8", description="Weight format: int8, int4 or int4m (Linear weights as 8- or 4-bit integers, a "
+        "float16 scale per group of 32, int4m also a float16 minimum; the 4-bit formats' output layer int8), "
+        "converted once into a file beside the model that workers share, the rest bfloat16; or bfloat16, or "
+        "float32. int8, int4 and int4m run corechat's own kernels, and their replies do not depend on what else a "
+        "worker decodes (docs/performance.md); what each format costs in faithfulness: docs/configuration.md."
     )
     max_model_len: int = Field(
         0, ge=0, description="Context window in tokens; 0 takes the model's max_position_embeddings."
@@ -275,8 +275,8 @@ class Settings(BaseSettings):
     @classmethod
     def _check_dtype(cls, value: str) -> str:
         """Accept only dtypes the engine knows."""
-        if value not in ("bfloat16", "float32", "int8", "int4"):
-            raise ValueError("dtype must be int8, int4, bfloat16 or float32")
+        if value not in ("bfloat16", "float32", "int8", "int4", "int4m"):
+            raise ValueError("dtype must be int8, int4, int4m, bfloat16 or float32")
         return value
 
     @property

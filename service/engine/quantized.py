@@ -1,4 +1,4 @@
-"""Quantized weights (DTYPE=int8 or int4), converted once into one file beside the model.
+"""Quantized weights (DTYPE=int8, int4 or int4m), converted once into one file beside the model.
 
 Every Linear of the decoder layers and the output layer is stored quantized; the rest (embedding,
 norms, biases) stays bfloat16. The converted file is memory-mapped like the model's own, so every
@@ -9,7 +9,10 @@ is repacked per worker.
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
         sharing a byte's nibbles (4.5 bits per weight); the output layer is int8, as llama.cpp's
         q4_0 keeps its output layer at 6 bits (q6_K): the logits' own rounding weighs most.
-Weights are stored with an offset that makes them unsigned (+128, +8), in tiles of 16 rows whose
+  int4m: int4's layout with a float16 scale and a float16 minimum per group of 32, each weight
+        0..15 steps above its group's minimum, as llama.cpp's q4_1 (5 bits per weight); the output
+        layer is int8.
+Weights are stored with an offset that makes them unsigned (+128, +8; int4m's are), in tiles of 16 rows whose
 blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
 64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
@@ -62,11 +65,14 @@ class WeightFormat:
 
 INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP)
 INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP)
-FORMATS = {fmt.name: fmt for fmt in (INT8, INT4)}
+INT4M = WeightFormat("int4m", 2, "int4 weights with a float16 scale and minimum per group of 32", GROUP)
+FORMATS = {fmt.name: fmt for fmt in (INT8, INT4, INT4M)}
+PACKED = (INT4, INT4M)
 ACTIVATIONS = "activations rounded to int8 per block of 32 (rotated as the weights are)"
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
 LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
-          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code, "int8_rotated": 1}
+          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code, "int4_mins": INT4M.code,
+          "int8_rotated": 1}
 
 
 class LayoutMismatch(RuntimeError):
@@ -99,7 +105,7 @@ class QuantizedLinear(nn.Module):
         self.format = fmt
         self.float32_output = float32_output
         self.out_features = out_features
-        self.in_features = weight.shape[1] * (2 if fmt is INT4 else 1)
+        self.in_features = weight.shape[1] * (2 if fmt in PACKED else 1)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Multiply by the quantized weight (activations rounded per block of 32 inside the kernel)."""
@@ -142,6 +148,15 @@ def tile_scales(scales: torch.Tensor) -> torch.Tensor:
     padded = pad_rows(scales)
     rows, blocks = padded.shape
     return padded.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, blocks).transpose(1, 2).contiguous().reshape(rows, blocks)
+
+
+def tile_scales_and_minimums(scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """Lay out float16 scales and minimums [outputs, blocks] as kernels.h reads int4m's: padded, [tiles,
+    blocks, 2, 16 rows], a block's 16 scales and then its 16 minimums (returned as [padded rows, 2 * blocks])."""
+    tiled = [tile_scales(part) for part in (scales, minimums)]
+    rows, blocks = tiled[0].shape
+    parts = [part.reshape(rows // TILE_OUTPUTS, blocks, TILE_OUTPUTS) for part in tiled]
+    return torch.stack(parts, dim=2).reshape(rows, 2 * blocks)
 
 
 def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
@@ -210,6 +225,25 @@ def int4_steps(groups: torch.Tensor, extreme: torch.Tensor, extreme_level: int) 
     return scales, levels, (levels * stored_scales[:, :, None] - groups).square().sum(dim=2)
 
 
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit values [padded rows, inputs] as the kernel reads them: each block of a tile holds its 16
+    rows' groups of 4 inputs side by side, group p's in the low nibbles and group p + 4's in the high ones."""
+    rows, inputs = nibbles.shape
+    # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
+    parts = nibbles.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, 2, 4, GROUP_INPUTS)
+    parts = parts.permute(0, 2, 3, 4, 1, 5)
+    packed = parts[:, :, 0] | (parts[:, :, 1] << 4)
+    return packed.reshape(rows, inputs // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Undo pack_nibbles, as float32 values 0..15."""
+    rows, inputs = packed.shape[0], packed.shape[1] * 2
+    packed = packed.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
+    halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
+    return halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float()
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
 
@@ -229,12 +263,27 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(better, other_scales, scales)
     levels = torch.where(better[:, :, None], other_levels, levels)
     nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT4_OFFSET)
-    rows = nibbles.shape[0]
-    # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
-    parts = nibbles.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, 2, 4, GROUP_INPUTS)
-    parts = parts.permute(0, 2, 3, 4, 1, 5)
-    packed = parts[:, :, 0] | (parts[:, :, 1] << 4)
-    return packed.reshape(rows, inputs // 2).contiguous(), tile_scales(scales)
+    return pack_nibbles(nibbles), tile_scales(scales)
+
+
+def quantize_int4m(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix per group of 32 to 0..15 steps of a float16 scale above a float16 minimum, as
+    llama.cpp's q4_1 does: the minimum is the group's smallest weight and the scale a fifteenth of its
+    range, so both extremes sit on the grid; the rounding uses the float16 values that are stored.
+    Packed as int4's nibbles; the scales and minimums lie [tiles, blocks, 2, 16 rows].
+    """
+    outputs, inputs = weight.shape
+    check_width(INT4M, inputs)
+    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
+    smallest, largest = groups.amin(dim=2), groups.amax(dim=2)
+    minimums = smallest.to(torch.float16)
+    scales = ((largest - smallest) / 15).to(torch.float16)
+    stored_scales = scales.float()
+    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
+    levels = torch.round((groups - minimums.float()[:, :, None]) / safe[:, :, None]).clamp(0, 15)
+    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    nibbles = pad_rows(levels.to(torch.uint8).reshape(outputs, inputs))
+    return pack_nibbles(nibbles), tile_scales_and_minimums(scales, minimums)
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
@@ -244,16 +293,20 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
     if fmt is INT8:
         levels = untile_int8(weight).float() - INT8_OFFSET
     else:
-        inputs = weight.shape[1] * 2
-        packed = weight.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
-        halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
-        levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float() - INT4_OFFSET
+        levels = unpack_nibbles(weight) - (INT4_OFFSET if fmt is INT4 else 0)
     inputs = levels.shape[1]
-    restored = (levels.reshape(rows, inputs // GROUP, GROUP) * untile_scales(scales)[:, :, None]).reshape(rows, inputs)
+    blocks = inputs // GROUP
+    minimums = torch.zeros(rows, blocks)
+    if fmt is INT4M:
+        parts = scales.reshape(rows // TILE_OUTPUTS, blocks, 2, TILE_OUTPUTS)
+        scales, minimums = (parts[:, :, half].reshape(rows, blocks) for half in (0, 1))
+        minimums = untile_scales(minimums)
+    steps = levels.reshape(rows, blocks, GROUP) * untile_scales(scales)[:, :, None]
+    restored = (steps + minimums[:, :, None]).reshape(rows, inputs)
     return (rotate_groups(restored) if fmt is INT8 else restored)[:outputs]
 
 
-QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4}
+QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4, INT4M.name: quantize_int4m}
 
 
 def format_of(fmt: WeightFormat, weight_name: str) -> WeightFormat:

@@ -1,4 +1,4 @@
-"""With int8 and int4 weights a sequence's logits, and so its reply, do not depend on what else its
+"""With int8, int4 and int4m weights a sequence's logits, and so its reply, do not depend on what else its
 worker decodes.
 
 A batch-dependent difference is a bfloat16 ulp or so, too little to change the tiny model's sampled
@@ -19,7 +19,7 @@ LENGTHS = [37, 300, 5, 120, 600, 64, 9, 200]
 STEPS = 6
 # The formats whose rows are claimed not to depend on their batch (docs/performance.md): corechat's
 # own products. bfloat16 runs torch's, which are not (test_bfloat16_products_depend_on_the_batch_...).
-INVARIANT_FORMATS = ["int8", "int4"]
+INVARIANT_FORMATS = ["int8", "int4", "int4m"]
 
 
 @pytest.fixture(scope="module", params=INVARIANT_FORMATS)

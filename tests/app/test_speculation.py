@@ -39,7 +39,7 @@ SAMPLINGS = {
 DRAFT_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "int4m"])
 def engines(request, make_settings):
     """Return a drafting engine and one that does not, on the tiny model in one weight format."""
     shape = dict(dtype=request.param, max_model_len=2048, prefix_cache_mb=0)

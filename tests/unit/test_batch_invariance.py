@@ -1,4 +1,4 @@
-"""Which formats' products give a row its bits alone, at Qwen2.5-0.5B's own sizes: int8's and int4's do,
+"""Which formats' products give a row its bits alone, at Qwen2.5-0.5B's own sizes: int8's, int4's and int4m's do,
 torch's bfloat16 products do not.
 
 The tiny model's layers are too small to show which formats are invariant (torch's bfloat16 products
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from service.engine import kernels
-from service.engine.quantized import FORMATS, quantize_int4, quantize_int8
+from service.engine.quantized import FORMATS, QUANTIZE
 from service.settings import Settings
 
 # The formats whose rows are claimed not to depend on their batch (docs/performance.md): corechat's
 # own products. bfloat16 runs torch's, which are not (test_bfloat16_products_depend_on_the_batch_...).
-INVARIANT_FORMATS = ["int8", "int4"]
+INVARIANT_FORMATS = ["int8", "int4", "int4m"]
 
 
 # Qwen2.5-0.5B's widest product, its MLP's down projection, and the rows of decode batches and prompt chunks.
@@ -33,7 +33,7 @@ def real_size_product(dtype: str):
     if dtype == "bfloat16":
         return lambda rows: F.linear(rows, weight.bfloat16())
     fmt = FORMATS[dtype]
-    stored, scales = (quantize_int8 if dtype == "int8" else quantize_int4)(weight)
+    stored, scales = QUANTIZE[dtype](weight)
     return lambda rows: torch.ops.corechat.quantized_linear(rows, stored, scales, None, fmt.code, REAL_OUTPUTS, False)
 
 

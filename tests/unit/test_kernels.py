@@ -21,7 +21,17 @@ import torch
 
 from harness import cpu_ticks_by_thread
 from service.engine import kernels
-from service.engine.quantized import INT4, INT8, dequantize, quantize_int4, quantize_int8, rotate_groups
+from service.engine.quantized import (
+    INT4,
+    INT4M,
+    INT8,
+    QUANTIZE,
+    dequantize,
+    quantize_int4,
+    quantize_int4m,
+    quantize_int8,
+    rotate_groups,
+)
 from service.settings import Settings
 from tests.support import torch_threads
 from tests.unit.kernel_misuse import CASES as MISUSE_CASES
@@ -32,6 +42,8 @@ MAX_RUNNING = Settings().max_running
 SHAPES = [(1, 64), (3, 96), (37, 128), (129, 192), (300, 896), (61, 4864), (5, 32)]
 # Every batch size the batcher uses, and prompt chunks across the kernel's 64-row chunk.
 ROWS = list(range(1, MAX_RUNNING + 1)) + [63, 64, 65, 130]
+FORMATS = [INT8, INT4, INT4M]
+FORMAT_IDS = [fmt.name for fmt in FORMATS]
 SMALLEST_NORMAL = torch.finfo(torch.float32).smallest_normal
 # The smallest largest magnitude whose block scale (largest / 127) is normal: smaller blocks quantize to zeros.
 SCALE_BOUND = 127 * SMALLEST_NORMAL
@@ -56,7 +68,7 @@ def shapes(fmt) -> list[tuple[int, int]]:
 def quantized(fmt, outputs: int, inputs: int, generator: torch.Generator):
     """Return random weights of a format, quantized as the converter does."""
     weight = torch.randn(outputs, inputs, generator=generator) * 0.05
-    return (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
+    return QUANTIZE[fmt.name](weight)
 
 
 def product(fmt, inputs, weight, scales, outputs, bias=None, float32_output=True, path="reference") -> torch.Tensor:
@@ -110,7 +122,7 @@ def test_avx2_path_exists_here():
     assert "avx2" in kernels.available_paths()
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_reference_computes_the_quantized_product(fmt):
     """The reference is the rounded activations times the dequantized weights, up to float32 summing."""
     generator = torch.Generator().manual_seed(1)
@@ -123,7 +135,7 @@ def test_reference_computes_the_quantized_product(fmt):
         assert ((got - want).abs() <= bound + 1e-6).all(), (outputs, inputs)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_every_simd_path_gives_the_references_bits(fmt):
     """Random shapes, odd sizes, every batcher row count and prompt chunks: bitwise equal outputs."""
     generator = torch.Generator().manual_seed(2)
@@ -139,7 +151,7 @@ def test_every_simd_path_gives_the_references_bits(fmt):
                     assert torch.equal(got, want), (path, outputs, inputs, rows, float32_output)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt):
     """Row r alone and row r among 1..MAX_RUNNING others (or a prompt's 130) give the same bits."""
     generator = torch.Generator().manual_seed(3)
@@ -157,7 +169,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(as_integers), b.view(as_integers))
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path(fmt, poison):
     """A NaN or inf among a row's activations (first or last block) gives NaN in every output of that
@@ -190,8 +202,9 @@ def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator)
     low, high = (-127, 127) if fmt is INT8 else (-8, 7)
     weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).double()
     weight[:, ::32] = low
+    weight[:, 1::32] = high  # int4m's scale is its group's range / 15
     # int8 stores each group rotated: rotating the integers first makes the stored groups the integers.
-    return quantize_int8(rotate_groups(weight)) if fmt is INT8 else quantize_int4(weight.float())
+    return quantize_int8(rotate_groups(weight)) if fmt is INT8 else QUANTIZE[fmt.name](weight.float())
 
 
 def float_next(value: float, toward: float) -> float:
@@ -220,7 +233,7 @@ def extreme_rows(rows: int, inputs: int, generator: torch.Generator) -> torch.Te
     return (values * signs).reshape(rows, inputs)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(fmt):
     """Blocks whose scale would be subnormal (largest magnitude, of the rotated block for int8, 0,
     subnormal, the smallest normal or just below 127 times it) add nothing (a subnormal scale's inverse
@@ -234,7 +247,7 @@ def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(f
         x[1] = -x[1]
         x[2, 1::2] = 0.0
         counted = (activation_blocks(fmt, x)[2] > 0).any(dim=1)
-        if fmt is INT4:
+        if fmt is not INT8:
             assert counted.all().item() == (largest >= SCALE_BOUND), largest
         for path in kernels.available_paths():
             got = product(fmt, x, weight, scales, outputs, path=path)
@@ -245,7 +258,7 @@ def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(f
                     assert torch.equal(got[row], torch.zeros(outputs)), (largest, path, row)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_activations_at_floats_low_end_give_the_references_bits_on_every_path(fmt):
     """Fuzzed blocks of zeros, subnormals, the smallest normal and values either side of the normal-scale
     bound: the reference computes the rounded product, and every path gives its bits."""
@@ -381,6 +394,41 @@ def test_int4_quantization_keeps_each_groups_extreme_and_bounds_the_error():
     clamped = groups / scales[:, :, None] > 7.5
     bound = torch.where(clamped, step, step / 2) * (1 + 1e-3)
     assert ((restored_groups - groups).abs() <= bound).all()
+
+
+def test_int4m_quantization_keeps_each_groups_range_and_bounds_the_error():
+    """Each group's smallest and largest weights come back within the float16 rounding of its minimum and
+    scale, the others within half a step; a constant group (a zero range) comes back as its value."""
+    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(6))
+    weight[3, 32:64] = 0.25
+    packed, stored = quantize_int4m(weight)
+    restored = dequantize(INT4M, packed, stored, 16)
+    groups, restored_groups = weight.reshape(16, 4, 32), restored.reshape(16, 4, 32)
+    step = (groups.amax(dim=2) - groups.amin(dim=2)) / 15
+    slack = groups.abs().amax(dim=2) * 2**-10  # the float16 minimum's and scale's rounding
+    assert ((restored_groups.amin(dim=2) - groups.amin(dim=2)).abs() <= slack).all()
+    assert ((restored_groups.amax(dim=2) - groups.amax(dim=2)).abs() <= slack * 16).all()
+    assert ((restored_groups - groups).abs() <= (step / 2 + slack * 16)[:, :, None]).all()
+    assert torch.equal(restored_groups[3, 1], groups[3, 1])
+
+
+def test_int4m_stores_weights_on_a_q4_1_grid_exactly():
+    """Weights that are already q4_1 values (a float16 minimum plus 0..15 steps of a float16 scale, both
+    extremes used), as a model shipped as q4_1 GGUF holds, come back bit for bit, and the kernels' product
+    over them is the float64 product of the rounded activations and those weights, up to float32 summing."""
+    generator = torch.Generator().manual_seed(7)
+    outputs, inputs = 37, 256
+    minimums = (torch.randn(outputs, inputs // 32, 1, generator=generator) * 0.05).half().float()
+    scales = (torch.rand(outputs, inputs // 32, 1, generator=generator) * 0.01 + 1e-3).half().float()
+    levels = torch.randint(0, 16, (outputs, inputs // 32, 32), generator=generator).float()
+    levels[:, :, 0], levels[:, :, 31] = 0, 15
+    weight = (minimums + levels * scales).reshape(outputs, inputs)
+    packed, stored = quantize_int4m(weight)
+    assert torch.equal(dequantize(INT4M, packed, stored, outputs), weight)
+    x = torch.randn(4, inputs, generator=generator)
+    bound = (x.abs().double() @ weight.abs().double().t()) * 3e-5
+    assert ((product(INT4M, x, packed, stored, outputs).double() - expected_product(INT4M, x, packed, stored, outputs))
+            .abs() <= bound).all()
 
 
 def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():

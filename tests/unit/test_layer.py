@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from service.engine import kernels
-from service.engine.quantized import INT4, INT8, quantize_int4, quantize_int8
+from service.engine.quantized import INT4, INT4M, INT8, QUANTIZE
 from service.settings import Settings
 from tests.support import torch_threads
 
@@ -63,7 +63,7 @@ def test_rms_norm_is_transformers_norm_within_its_two_roundings(width):
 def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator):
     """Return quantized random weights, their scales and a float32 bias, as QuantizedLinear holds them."""
     weight = torch.randn(outputs, inputs, generator=generator) * 0.05
-    stored, scales = (quantize_int8 if fmt is INT8 else quantize_int4)(weight)
+    stored, scales = QUANTIZE[fmt.name](weight)
     return stored, scales, torch.randn(outputs, generator=generator) * 0.1
 
 
@@ -153,14 +153,14 @@ def assert_fused_as_one_by_one(layer: Layer, rows: int, seed: int) -> None:
         assert torch.equal(got_out, expected_out)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
 @pytest.mark.parametrize("rows", [1, 3, 17, 40])
 def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
     """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
     assert_fused_as_one_by_one(Layer(fmt, width=256, intermediate=640, seed=rows), rows, seed=rows)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
 @pytest.mark.parametrize("rows", [1, 17])
 def test_qwen3_head_norms_give_the_bits_of_corechats_norm_on_each_head_before_the_rotary(fmt, rows):
     """Qwen3's q_norm and k_norm: each head of each row through corechat's RMSNorm, then the rotary."""
@@ -168,7 +168,7 @@ def test_qwen3_head_norms_give_the_bits_of_corechats_norm_on_each_head_before_th
     assert_fused_as_one_by_one(layer, rows, seed=rows)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
     """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
@@ -204,7 +204,7 @@ def test_fused_operators_refuse_mismatched_arguments():
         torch.ops.corechat.rms_norm(hidden.float(), layer.norms[0], EPS)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
 def test_run_products_runs_every_registered_product_and_refuses_what_it_cannot(fmt):
     """The step probe's products-only pass: every layer's products at their shapes (each product checks
     its input's width against its weights), and its own checks."""

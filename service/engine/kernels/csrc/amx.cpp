@@ -43,7 +43,7 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 constexpr TileConfig kTileConfig{};
 
 // Tile `tile` of the weights as signed int8, block after block: int8 less its offset of 128 (its top
-// bit flipped); int4 unpacked, each nibble less 8.
+// bit flipped); int4 unpacked, each nibble less 8; int4 with minimums unpacked as it is (0..15).
 template <int Format>
 void signed_weights(const Weights& w, int64_t tile, int8_t* out) {
     const int64_t blocks = w.inputs / kBlock;
@@ -55,7 +55,7 @@ void signed_weights(const Weights& w, int64_t tile, int8_t* out) {
             for (int g = 0; g < kBlock / kGroupInputs; ++g)
                 _mm512_storeu_si512(block + g * kGroupBytes, _mm512_xor_si512(_mm512_loadu_si512(stored + g * kGroupBytes), flip));
         } else {
-            const __m512i nibbles = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(kInt4Offset);
+            const __m512i nibbles = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(weight_offset(Format)));
             for (int p = 0; p < kBlock / kGroupInputs / 2; ++p) {
                 const __m512i packed = _mm512_loadu_si512(stored + p * kGroupBytes);
                 _mm512_storeu_si512(block + p * kGroupBytes, _mm512_sub_epi8(_mm512_and_si512(packed, nibbles), offset));
@@ -73,10 +73,16 @@ inline void scale_block(const QuantizedRows& x, const Weights& w, int64_t tile, 
                         const int32_t* sums, __m512 acc[kAmxRows]) {
     const int64_t blocks = w.inputs / kBlock;
     const float* scales = x.scales + row * blocks + block;
-    const __m512 group_scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales(w, tile, block))));
-    for (int r = 0; r < kAmxRows; ++r)
+    const int32_t* activation_sums = x.sums + row * blocks + block;
+    const uint16_t* stored = tile_scales(w, tile, block);
+    const __m512 group_scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored)));
+    for (int r = 0; r < kAmxRows; ++r) {
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kTileOutputs)),
                                  _mm512_mul_ps(group_scales, _mm512_set1_ps(scales[r * blocks])), acc[r]);
+        if constexpr (group_minimums(Format))
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored + kTileOutputs))),
+                                     _mm512_set1_ps(scales[r * blocks] * static_cast<float>(activation_sums[r * blocks])), acc[r]);
+    }
 }
 
 // GCC's tile intrinsics take register numbers as literals (they paste them into the instruction).
@@ -168,8 +174,10 @@ void amx_matmul(const QuantizedRows& x, const Weights& w, const float* bias, Out
 void matmul_amx(const QuantizedRows& x, const Weights& w, const float* bias, Output out, int64_t begin, int64_t end) {
     if (w.format == kInt8Groups) {
         amx_matmul<kInt8Groups>(x, w, bias, out, begin, end);
-    } else {
+    } else if (w.format == kInt4Groups) {
         amx_matmul<kInt4Groups>(x, w, bias, out, begin, end);
+    } else {
+        amx_matmul<kInt4Mins>(x, w, bias, out, begin, end);
     }
 }
 

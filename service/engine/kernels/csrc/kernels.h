@@ -14,12 +14,13 @@
 //     from them and then carries the 1 / sqrt(32). A block whose sums overflow counts as non-finite;
 //   - for each output, blocks in order, S = the exact integer sum over the block of weight times
 //     activation, then acc = fma(float(S), s_w * s_x, acc) with the weights' scale s_w of that
-//     row and block (float16, widened), the same for int8 and int4; then plus the bias, rounded to
-//     the output type.
-// The weights are stored with an offset that makes them unsigned (int8 + 128, int4 + 8), the
-// operand vpdpbusd wants unsigned; S is the offset sum minus the offset times the block's sum of
-// activations, which is exact and the same for every output (kernels read it as the starting value
-// of their integer sums).
+//     row and block (float16, widened), the same for every format; kInt4Mins then adds its
+//     group's minimum m_w (float16, widened): acc = fma(m_w, s_x * float(block's sum), acc);
+//     then plus the bias, rounded to the output type.
+// The weights are stored with an offset that makes them unsigned (int8 + 128, int4 + 8; kInt4Mins'
+// steps above the minimum are unsigned already), the operand vpdpbusd wants unsigned; S is the
+// offset sum minus the offset times the block's sum of activations, which is exact and the same for
+// every output (kernels read it as the starting value of their integer sums).
 //
 // The helpers defined here are compiled into source files built for different instruction sets
 // (reference.cpp for any x86-64, avx2.cpp, avx512_vnni.cpp, amx.cpp). They live
@@ -37,7 +38,12 @@ namespace corechat {
 
 constexpr int64_t kBlock = 32;  // activation block and weight group, in elements
 
-enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1 };
+enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1, kInt4Mins = 2 };
+
+// Whether a format packs two weights per byte (kInt4Groups, kInt4Mins), and whether it stores a
+// minimum beside each group's scale.
+constexpr bool packed_nibbles(int64_t format) { return format != kInt8Groups; }
+constexpr bool group_minimums(int64_t format) { return format == kInt4Mins; }
 
 // Whether a format's weight groups are stored rotated, and its activation blocks rotated to match.
 constexpr bool rotated_blocks(int64_t format) { return format == kInt8Groups; }
@@ -59,14 +65,21 @@ struct QuantizedRows {
 //     16 * 4 * g + 4 * row + k is weight (row, 4g + k) + 128.
 //   kInt4Groups: a block is 4 loads, 256 bytes: byte 16 * 4 * p + 4 * row + k holds weight (row,
 //     4p + k) + 8 in its low nibble and weight (row, 4(p + 4) + k) + 8 in its high nibble.
-//   scales, both formats: float16 bits [tiles, blocks, kTileOutputs] (one per row per block of 32
-//     inputs, a tile's block's 16 side by side).
+//   kInt4Mins: as kInt4Groups, each nibble the weight's steps above its group's minimum (0..15).
+//   scales: float16 bits [tiles, blocks, kTileOutputs] (one per row per block of 32 inputs, a tile's
+//     block's 16 side by side); for kInt4Mins [tiles, blocks, 2, kTileOutputs], the block's 16
+//     scales and then its 16 minimums, so one 64-byte line holds both.
 constexpr int64_t kTileOutputs = 16;
 constexpr int64_t kGroupInputs = 4;
 constexpr int64_t kGroupBytes = kTileOutputs * kGroupInputs;  // one vpdpbusd's weights
 static_assert(kBlock % (2 * kGroupInputs) == 0 && kGroupBytes == 64, "a block is whole 64-byte loads");
 constexpr int64_t kInt8Offset = 128;
 constexpr int64_t kInt4Offset = 8;
+
+// The offset a format's stored weights carry.
+constexpr int32_t weight_offset(int64_t format) {
+    return format == kInt8Groups ? kInt8Offset : format == kInt4Groups ? kInt4Offset : 0;
+}
 
 struct Weights {
     int format;
@@ -81,16 +94,19 @@ namespace {
 constexpr int64_t padded_outputs(int64_t outputs) { return (outputs + kTileOutputs - 1) / kTileOutputs * kTileOutputs; }
 
 // Bytes of one tile's block.
-constexpr int64_t block_bytes(int format) { return format == kInt8Groups ? kTileOutputs * kBlock : kTileOutputs * kBlock / 2; }
+constexpr int64_t block_bytes(int format) { return packed_nibbles(format) ? kTileOutputs * kBlock / 2 : kTileOutputs * kBlock; }
+
+// Float16 values stored per tile block: the 16 scales, and for kInt4Mins the 16 minimums after them.
+constexpr int64_t block_scales(int format) { return group_minimums(format) ? 2 * kTileOutputs : kTileOutputs; }
 
 // The first byte of tile `tile`'s block `block`.
 inline const uint8_t* tile_block(const Weights& w, int64_t tile, int64_t block) {
     return w.data + (tile * (w.inputs / kBlock) + block) * block_bytes(w.format);
 }
 
-// The float16 bits of a tile's block's 16 scales.
+// The float16 bits of a tile's block's 16 scales (kInt4Mins: followed by its 16 minimums).
 inline const uint16_t* tile_scales(const Weights& w, int64_t tile, int64_t block) {
-    return static_cast<const uint16_t*>(w.scales) + (tile * (w.inputs / kBlock) + block) * kTileOutputs;
+    return static_cast<const uint16_t*>(w.scales) + (tile * (w.inputs / kBlock) + block) * block_scales(w.format);
 }
 
 }  // namespace

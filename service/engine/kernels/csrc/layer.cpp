@@ -325,7 +325,7 @@ void run_products(int64_t model, int64_t rows) {
     const LayerArguments& first = layers->layers.front();
     // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
     const auto input_of = [&](const at::Tensor& weight) {
-        return quantize_input(at::ones({rows, weight.size(1) * (layers->format == kInt8Groups ? 1 : 2)},
+        return quantize_input(at::ones({rows, weight.size(1) * (packed_nibbles(layers->format) ? 2 : 1)},
                                        first.attention_norm.options()),
                               layers->format);
     };

@@ -116,7 +116,7 @@ void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stri
 void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bias, Output out,
                       int64_t begin, int64_t end) {
     const int64_t blocks = w.inputs / kBlock;
-    const int32_t offset = w.format == kInt8Groups ? kInt8Offset : kInt4Offset;
+    const int32_t offset = weight_offset(w.format);
     for (int64_t row = 0; row < x.rows; ++row) {
         const int8_t* activations = x.values + row * x.cols;
         for (int64_t column = begin * kTileOutputs; column < std::min(end * kTileOutputs, w.outputs); ++column) {
@@ -125,8 +125,12 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
                 int32_t sum = -offset * x.sums[row * blocks + b];
                 for (int64_t i = 0; i < kBlock; ++i) sum += stored_weight(w, column, b, i) * activations[b * kBlock + i];
                 const float activation_scale = x.scales[row * blocks + b];
-                const float group_scale = float16_to_float(tile_scales(w, column / kTileOutputs, b)[column % kTileOutputs]);
+                const uint16_t* scales = tile_scales(w, column / kTileOutputs, b);
+                const float group_scale = float16_to_float(scales[column % kTileOutputs]);
                 acc = std::fma(static_cast<float>(sum), group_scale * activation_scale, acc);
+                if (group_minimums(w.format))
+                    acc = std::fma(float16_to_float(scales[kTileOutputs + column % kTileOutputs]),
+                                   activation_scale * static_cast<float>(x.sums[row * blocks + b]), acc);
             }
             if (bias != nullptr) acc += bias[column];
             store_output(out, row, column, acc);
