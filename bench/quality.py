@@ -243,7 +243,7 @@ def render(results: dict) -> str:
              f"of each window); {text['bos']}. Token ids: {results['token_ids']}.",
              "KLD: KL(P_float32 || P_format) per scored position, in nats; each side's float32 is its reference "
              "(llama.cpp's from its base file of 16-bit log-probabilities). bits/weight: the weights' bytes as "
-             "loaded over the parameters, scales included; corechat's int8 and int4 keep the embedding in bfloat16 "
+             "loaded over the parameters, scales included; corechat's quantized formats keep the embedding in bfloat16 "
              "beside their quantized output layer, a second copy of it where the model ties the two.",
              "corechat ran: " + "; ".join(f"{name} as {run}" for name, run in results["runs"].items()) + "."]
     cross = results.get("corechat_float32_against_llama_cpp_f32")

@@ -95,7 +95,7 @@ class Settings(BaseSettings):
         8, ge=0, le=16, description="Draft tokens a decoding stream proposes per step from its own prompt and "
         "reply (where its last tokens occurred before, the tokens that followed them), checked in the same "
         "forward as its next token; the drafts the sampler would have chosen are taken, so replies are the "
-        "same bytes, only sooner on text that repeats itself or its prompt. int8 and int4 only (their rows do not "
+        "same bytes, only sooner on text that repeats itself or its prompt. int8, int4 and int4m only (their rows do not "
         "depend on the batch), never while requests wait or the batch is full: a step runs at most "
         "MAX_RUNNING rows. 0 turns it off (docs/performance.md)."
     )
@@ -250,7 +250,7 @@ class Settings(BaseSettings):
     )
     converted_weights_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "converted"),
-        description="Where a GGUF MODEL is converted into a model folder, and where DTYPE=int8 or int4 writes "
+        description="Where a GGUF MODEL is converted into a model folder, and where DTYPE=int8, int4 or int4m writes "
         "its converted weights and every DTYPE keeps the weight files' hashes (the model's fingerprint) when the "
         "model folder is read-only.",
     )

@@ -39,7 +39,7 @@ from .text import TokenSpeller
 
 log = logging.getLogger(__name__)
 
-# int8 and int4 keep bf16 for everything but the Linear weights (see quantized.py).
+# int8, int4 and int4m keep bf16 for everything but the Linear weights (see quantized.py).
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
           "int4m": torch.bfloat16}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]

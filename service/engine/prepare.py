@@ -26,7 +26,7 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
                   between_layers: Callable[[], object] | None = None, kernel_path: str = "best") -> PreparedModel:
     """Ready a loaded model for its DTYPE; return what was decided, `weight_format` among it.
 
-    int8 and int4 swap in QuantizedLinear layers; they and bfloat16 run the lean forward (qwen2.py)
+    int8, int4 and int4m swap in QuantizedLinear layers; they and bfloat16 run the lean forward (qwen2.py)
     with corechat's attention kernel for Qwen2-family models, so the kernels are loaded for all
     three; float32 loads them too, for the sampler's kernels. float32, and models the lean forward
     does not serve, run transformers' own forward. weight_format names what decides the replies'

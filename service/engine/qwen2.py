@@ -9,7 +9,7 @@ sequence's pages of the worker's pool (kvpool.py) and it attends to its own sequ
 to its own (kernels.h: PagedAttention), so a row's result depends neither on the other rows nor on
 how its prompt was cut.
 
-Quantized models (int8, int4) run all their decoder layers in one operator (kernels/csrc/layer.cpp:
+Quantized models (int8, int4, int4m) run all their decoder layers in one operator (kernels/csrc/layer.cpp:
 run_layers, a layer's norm, products, Qwen3's head norms and rotary before attention, the attention, and the rest
 after it), the same arithmetic as transformers' except RMSNorm's mean, which the kernel sums in its
 own fixed order; the hook between layers (the engine's core sharing) runs once per forward.

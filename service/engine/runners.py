@@ -1,7 +1,7 @@
 """How the scheduler runs a model over sequences: their KV state, prompt chunks and decode steps.
 
 Two runners share one face (SequenceModel). PagedModel serves Qwen2-family models in bfloat16,
-int8 and int4 with the lean forward (qwen2.py): every sequence's KV state lives in the worker's
+int8, int4 and int4m with the lean forward (qwen2.py): every sequence's KV state lives in the worker's
 page pool (kvpool.py), a decode step runs every running sequence as one batch of rows, and a
 sequence joining or leaving that batch copies nothing. TransformersModel serves the rest (other
 architectures, float32) with transformers' own forward: each sequence keeps its own cache, room
@@ -31,7 +31,7 @@ class SequenceModel(Protocol):
     pool: PagePool
     # Names how read() lays KV state out, so stored sequences of another layout are never loaded.
     kv_layout: str
-    # Whether a row's logits are the same bits whatever else its forward runs (corechat's int8 and int4
+    # Whether a row's logits are the same bits whatever else its forward runs (corechat's quantized
     # kernels): only then are a step's draft rows what single steps would give (speculation.py).
     exact_rows: bool
 

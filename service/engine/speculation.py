@@ -3,7 +3,7 @@
 A decoding sequence whose last tokens occurred before in its prompt or reply proposes the tokens
 that followed them (drafts.py). The step runs them after its next token as rows of the sequence,
 a prompt chunk's way: each row writes its KV state at its own position and attends to its
-sequence up to there. With int8 and int4 a row's logits are the same bits whatever else the
+sequence up to there. With int8, int4 and int4m a row's logits are the same bits whatever else the
 forward runs (runners.SequenceModel.exact_rows), so row i's logits are those a single decode step
 would give once the drafts before it were taken. The sampler then chooses row by row, as single
 steps would, its state moving only by the tokens it takes: a draft is taken only where the
