@@ -95,8 +95,8 @@ class Settings(BaseSettings):
         8, ge=0, le=16, description="Draft tokens a decoding stream proposes per step from its own prompt and "
         "reply (where its last tokens occurred before, the tokens that followed them), checked in the same "
         "forward as its next token; the drafts the sampler would have chosen are taken, so replies are the "
-        "same bytes, only sooner on text that repeats itself or its prompt. int8, int4 and int4m only (their rows do not "
-        "depend on the batch), never while requests wait or the batch is full: a step runs at most "
+        "same bytes, only sooner on text that repeats itself or its prompt. int8, int4 and int4m only (their rows "
+        "do not depend on the batch), never while requests wait or the batch is full: a step runs at most "
         "MAX_RUNNING rows. 0 turns it off (docs/performance.md)."
     )
     kv_cache_mb: int = Field(
