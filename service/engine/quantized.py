@@ -12,7 +12,7 @@ is repacked per worker.
   int4m: int4's layout with a float16 scale and a float16 minimum per group of 32, each weight
         0..15 steps above its group's minimum, as llama.cpp's q4_1 (5 bits per weight); the output
         layer is int8.
-Weights are stored with an offset that makes them unsigned (+128, +8; int4m's are), in tiles of 16 rows whose
+Weights are stored with an offset that makes them unsigned (+128, +8; int4m's steps need none), in tiles of 16 rows whose
 blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
 64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the

@@ -173,6 +173,8 @@ class Traffic:
                     result["status"] = response.status_code
                     text = response.text
                 result["complete"] = "[DONE]" in text if kind == "stream" else '"finish_reason":"length"' in text
+                if response.status_code != 200:
+                    result["body"] = text[:500]  # the error's message, for the failure's report
             except requests.RequestException as error:
                 result["error"] = repr(error)
             result["ended"] = time.monotonic()
@@ -252,7 +254,7 @@ def test_reloads_in_a_row_under_traffic_fail_nothing_and_leave_one_master_then_a
                 assert all(len(workers) == WORKERS for workers in after.values())
                 assert not set().union(*after.values()) & set().union(*before.values())
             time.sleep(2)
-        assert not traffic.failures(), traffic.failures()
+        assert not traffic.failures(), (traffic.failures(), server.log()[-6000:])
         assert not traffic.stalled(), f"of {len(traffic.results)}: {traffic.stalled()}"
         # The masters share the supervisor's metrics folder: counts carry on across reloads.
         assert value(scrape(server), "corechat_requests_total", outcome="length") > served_before
@@ -294,7 +296,7 @@ def test_gunicorns_reload_and_upgrade_signals_sent_to_the_supervisor_reload_unde
             assert wait_until(replaced, 240), server.log()
             time.sleep(1)
         assert server.process.poll() is None, server.log()
-        assert not traffic.failures(), traffic.failures()
+        assert not traffic.failures(), (traffic.failures(), server.log()[-6000:])
         log = server.log()
         assert log.count("reload done") == 1
         assert "refused a SIGUSR2 (a reload) request: a reload is already under way" in log
@@ -358,7 +360,7 @@ def test_a_reload_that_cannot_complete_fails_and_leaves_the_serving_master_alone
         # The new master exited: the traceback above the supervisor's words says why.
         if ready_timeout == DEFAULT_READY_TIMEOUT_SECONDS:
             assert "this version of the code does not start" in server.log_path.read_text()
-        assert not traffic.failures(), traffic.failures()
+        assert not traffic.failures(), (traffic.failures(), server.log()[-6000:])
         assert server.process.poll() is None
     finally:
         server.stop()
