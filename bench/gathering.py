@@ -61,7 +61,7 @@ def main() -> None:
     """Run the rounds, print the tables and write the results files."""
     parser = argparse.ArgumentParser(prog="python bench/gathering.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--formats", nargs="+", default=["int8"], choices=("int8", "int4"))
+    parser.add_argument("--formats", nargs="+", default=["int8"], choices=("int8", "int4", "int4m"))
     parser.add_argument("--name", default="gathering")
     args = parser.parse_args()
     from devtools.devmodel import build_dev_model

@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=Settings.model_fields["speculative_tokens"].default,
                         help="SPECULATIVE_TOKENS of the rounds with speculation (its default unless told)")
-    parser.add_argument("--dtype", default="int8", choices=("int8", "int4"))
+    parser.add_argument("--dtype", default="int8", choices=("int8", "int4", "int4m"))
     parser.add_argument("--replies", type=int, default=3, help="replies per workload and round")
     parser.add_argument("--name", default="speculation")
     args = parser.parse_args()
