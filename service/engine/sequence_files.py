@@ -9,12 +9,13 @@ runner stores for that many tokens.
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SUFFIX = ".safetensors"
 # safetensors' names of the dtypes a KV state is kept in.
@@ -25,6 +26,21 @@ ENGINE_DIR = Path(__file__).resolve().parent
 
 class NotASequence(ValueError):
     """A file that is not a stored sequence of this model's runner."""
+
+
+@contextmanager
+def stored_file(path: Path | str) -> Iterator:
+    """Open a stored sequence's file for reading; raise NotASequence where it cannot be read whole.
+
+    A missing file raises FileNotFoundError as it is. But another worker may evict or replace the file
+    after safetensors opened it: torch maps each tensor by the file's name, and fails with a RuntimeError
+    naming the missing file; a file cut short fails in safetensors. Either way the reader skips it.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            yield file
+    except (SafetensorError, RuntimeError) as exc:
+        raise NotASequence(f"it could not be read: {exc}") from exc
 
 
 def sequence_name(ids) -> str:
@@ -100,14 +116,14 @@ class SequenceFormat:
     def read_ids(self, path: Path | str) -> torch.Tensor:
         """Return a stored sequence's token ids (a copy: no mapping outlives the call), after checking the
         whole file's tensors; raise NotASequence for a file that is not one of this format's."""
-        with safe_open(str(path), framework="pt") as file:
+        with stored_file(path) as file:
             self._check(file)
             return file.get_tensor("ids").clone()
 
     def open_layers(self, path: Path | str, ids: torch.Tensor) -> list[torch.Tensor]:
         """Return every layer of a stored sequence whose ids are `ids`, as views of its read-only mapping
         (the mapping lives as long as they do); raise NotASequence if it is not that sequence."""
-        with safe_open(str(path), framework="pt") as file:
+        with stored_file(path) as file:
             self._check(file)
             if not torch.equal(file.get_tensor("ids"), ids):
                 raise NotASequence("its token ids are not the ones it is named for")

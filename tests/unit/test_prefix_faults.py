@@ -118,6 +118,39 @@ def test_an_idle_reader_keeps_no_evicted_file_mapped(tmp_path):
     assert str(path) not in mapped_paths()
 
 
+def evicting_on_open(monkeypatch, path: Path) -> None:
+    """Make the next opening of `path` lose the file between safetensors' reading of its header and
+    torch's mapping of it by name (UntypedStorage.from_file), as when another worker evicts or replaces
+    it in that moment."""
+    real_from_file = torch.UntypedStorage.from_file
+
+    def evict_then_map(filename, *args, **options):
+        if Path(filename) == path and path.exists():
+            path.unlink()
+        return real_from_file(filename, *args, **options)
+
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", evict_then_map)
+
+
+@pytest.mark.parametrize("while_reading", ["ids", "layers"])
+def test_a_file_evicted_while_a_worker_reads_it_is_skipped_not_a_failed_request(tmp_path, monkeypatch, while_reading):
+    """Two workers under one prompt: one replaces a stored sequence (a longer one extends it) while the
+    other opens it, to read its ids when it first sees the file or its layers when it takes them. The
+    reader skips the file and computes the prompt, where torch's RuntimeError (the file gone when it
+    mapped it by name) failed the request: a 500, seen under load in the supervisor and Sentinel tests."""
+    writer = PrefixStore(FORMAT, 1 << 30, tmp_path / "prefixes", "model")
+    reader = PrefixStore(FORMAT, 1 << 30, tmp_path / "prefixes", "model")
+    keep(writer, sequence(1))
+    path = tmp_path / "prefixes" / "model" / sequence_name(sequence(1))
+    if while_reading == "layers":
+        assert reader.lookup([*sequence(1), 0])[1] == 1000  # its ids read, the file known
+    evicting_on_open(monkeypatch, path)
+    assert reader.lookup([*sequence(1), 0]) == ([], 0)
+    monkeypatch.undo()
+    keep(writer, sequence(1))
+    assert reader.lookup([*sequence(1), 0])[1] == 1000
+
+
 def test_a_folder_removed_and_made_again_by_someone_else_is_never_read_or_written(tmp_path):
     """The prefix folder goes (a tmpfs cleaned while serving) and a folder others can write appears in its
     place, holding a planted sequence: the store neither reads it nor writes there, and uses its own
