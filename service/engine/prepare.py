@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
-from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS, apply_quantized
+from .converted import apply_quantized
+from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS
 from .qwen2 import LeanModel
 
 

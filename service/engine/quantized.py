@@ -1,9 +1,8 @@
-"""Quantized weights (DTYPE=int8, int4 or int4m), converted once into one file beside the model.
+"""Quantized weight formats (DTYPE=int8, int4 or int4m): how each rounds and lays out a matrix for
+corechat's kernels, and the Linear that multiplies by it (converted.py writes them into one file).
 
 Every Linear of the decoder layers and the output layer is stored quantized; the rest (embedding,
-norms, biases) stays bfloat16. The converted file is memory-mapped like the model's own, so every
-worker reads the same page-cache pages, and it holds exactly the layout the kernels read: nothing
-is repacked per worker.
+norms, biases) stays bfloat16.
   int8: groups of 32 weights of a row, one float16 scale each (symmetric, -127..127), as llama.cpp's
         q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
@@ -12,31 +11,21 @@ is repacked per worker.
   int4m: int4's layout with a float16 scale and a float16 minimum per group of 32, each weight
         0..15 steps above its group's minimum, as llama.cpp's q4_1 (5 bits per weight); the output
         layer is int8.
-Weights are stored with an offset that makes them unsigned (+128, +8; int4m's steps need none), in tiles of 16 rows whose
-blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
+Weights are stored with an offset that makes them unsigned (+128, +8; int4m's steps need none), in
+tiles of 16 rows whose blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
 64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
 activations are rounded to int8 in blocks of 32 and each output is summed in one fixed order, so a
 token's result depends neither on the other rows of its batch nor on how its prompt was cut.
 """
 
-import fcntl
-import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .loading import map_safetensors, safetensors_files
-
-log = logging.getLogger(__name__)
-
-# Part of the converted file's name and metadata: bump it whenever what a format writes changes, so
-# a file written by another version is never read as this one's.
+# Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
+# changes, so a file written by another version is never read as this one's.
 FORMAT_VERSION = 7
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
@@ -47,10 +36,6 @@ GROUP_INPUTS = 4
 INT8_OFFSET = 128
 INT4_OFFSET = 8
 LAYOUT_TOKEN = f"t{TILE_OUTPUTS}k{GROUP_INPUTS}g{GROUP}"
-WEIGHT_SUFFIX = ".qweight"
-SCALE_SUFFIX = ".qscale"
-OUTPUT_LAYER = "lm_head.weight"
-EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -307,106 +292,3 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4, INT4M.name: quantize_int4m}
-
-
-def format_of(fmt: WeightFormat, weight_name: str) -> WeightFormat:
-    """Return the format a weight is stored in under DTYPE `fmt`: the output layer's is always int8."""
-    return INT8 if weight_name == OUTPUT_LAYER else fmt
-
-
-def quantized_weight_names(model) -> dict[str, str]:
-    """Map each quantized Linear's module name to the checkpoint name of its weight."""
-    names = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.startswith("model.layers."):
-            names[name] = f"{name}.weight"
-    names["lm_head"] = OUTPUT_LAYER
-    return names
-
-
-def conversion_metadata(fmt: WeightFormat, fingerprint: str) -> dict[str, str]:
-    """Return the metadata a converted file of this format, version and layout, for this model, holds."""
-    return {"format": fmt.name, "version": str(FORMAT_VERSION), "layout": LAYOUT_TOKEN, "fingerprint": fingerprint}
-
-
-def stored_metadata(path: Path) -> dict[str, str] | None:
-    """Return a safetensors file's metadata ({} where it has none), or None where it is missing or unreadable."""
-    try:
-        with safe_open(path, "pt") as file:
-            return file.metadata() or {}
-    except (OSError, SafetensorError):
-        return None
-
-
-def holds_conversion(path: Path, fmt: WeightFormat, fingerprint: str) -> bool:
-    """Tell whether a file is this version's conversion of this model to this format and layout."""
-    return stored_metadata(path) == conversion_metadata(fmt, fingerprint)
-
-
-def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
-    """Return where a model's converted weights live: beside it, or in the converted folder if it is
-    read-only and holds no good conversion."""
-    beside = model_dir / f"corechat-{fmt.name}-v{FORMAT_VERSION}-{LAYOUT_TOKEN}-{fingerprint}.safetensors"
-    if os.access(model_dir, os.W_OK) or holds_conversion(beside, fmt, fingerprint):
-        return beside
-    return converted_dir / beside.name
-
-
-def convert(fmt: WeightFormat, model_dir: Path, model, target: Path, fingerprint: str) -> None:
-    """Write the quantized weights and scales of every Linear (the output layer included, in int8) to one file."""
-    state = {}
-    for path in safetensors_files(model_dir):
-        state.update(map_safetensors(path))
-    tensors = {}
-    for weight_name in quantized_weight_names(model).values():
-        source = state.get(weight_name)
-        if source is None and weight_name == OUTPUT_LAYER:
-            source = state[EMBEDDING]  # tied output layer
-        stored = format_of(fmt, weight_name)
-        if source.shape[1] % stored.width_multiple:
-            raise ValueError(f"{stored.name} needs Linear input widths that are multiples of {stored.width_multiple}; "
-                             f"{weight_name} has {source.shape[1]}")
-        tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = QUANTIZE[stored.name](source)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(temporary), metadata=conversion_metadata(fmt, fingerprint))
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def apply_quantized(model, fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
-    """Swap every Linear of a loaded bf16 model for a QuantizedLinear over the mapped converted file (kernels loaded)."""
-    check_layout()
-    target = converted_file_for(fmt, model_dir, converted_dir, fingerprint)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Workers start together: one converts while the others wait, then all map the same file.
-    # Each converting on its own and renaming over the other's would leave workers mapping
-    # different inodes, and so holding one copy each instead of sharing one.
-    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        # Every writer converts under this lock, so a temporary found while holding it is a dead
-        # writer's: a worker killed mid-conversion (by the OOM killer, say) leaves hundreds of MB.
-        for leftover in target.parent.glob(f".{target.name}.*.tmp"):
-            log.warning("removing %s, left by a conversion that did not finish", leftover)
-            leftover.unlink(missing_ok=True)
-        found = stored_metadata(target)
-        if found != conversion_metadata(fmt, fingerprint):
-            if target.exists():
-                # Another version's, another model's, or a truncated file: read as this one, it would be garbage.
-                log.warning("%s holds no conversion of this model by this corechat (metadata %s); converting again",
-                            target, found)
-            log.info("converting the weights to %s once, into %s", fmt.name, target)
-            convert(fmt, model_dir, model, target, fingerprint)
-    tensors = map_safetensors(target)
-    for module_name, weight_name in quantized_weight_names(model).items():
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        # Biases are small: a private float32 copy lets the kernel add them before its one rounding.
-        bias = old.bias.detach().float() if old.bias is not None else None
-        setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
-                                               bias, format_of(fmt, weight_name), old.out_features,
-                                               float32_output=module_name == "lm_head"))
-    return target

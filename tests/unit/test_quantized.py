@@ -1,4 +1,4 @@
-"""The converted weights file (service/engine/quantized.py): its layout tied to the kernels', and only
+"""The converted weights file (service/engine/converted.py): its layout tied to the kernels', and only
 this version's conversion of this model ever read."""
 
 import shutil
@@ -9,18 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from service.engine import kernels, quantized
+from service.engine.converted import apply_quantized, conversion_metadata, converted_file_for, stored_metadata
 from service.engine.loading import load_model
-from service.engine.quantized import (
-    INT8,
-    LAYOUT,
-    LayoutMismatch,
-    apply_quantized,
-    check_layout,
-    conversion_metadata,
-    converted_file_for,
-    kernels_layout,
-    stored_metadata,
-)
+from service.engine.quantized import INT8, LAYOUT, LayoutMismatch, check_layout, kernels_layout
 from service.settings import Settings
 
 FINGERPRINT = "0123456789abcdef"
