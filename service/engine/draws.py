@@ -83,7 +83,8 @@ def draw(samplers: Sequence[Drawn], logits: torch.Tensor) -> list[int]:
 
 
 def draw_by_probabilities(samplers: Sequence[Drawn], logits: torch.Tensor) -> list[int]:
-    """Draw each row's token from its softmax(logits / temperature) in float32, by its top_k and top_p."""
+    """Draw each row's token from its softmax(logits / temperature) in float32, by its top_k and top_p:
+    the rows the kernel leaves, whose kept tokens its candidates cannot hold, so over the whole row."""
     rows, vocab = logits.shape
     maxima = logits.amax(dim=-1, keepdim=True)
     temperatures = torch.tensor([[sampler.params.temperature] for sampler in samplers], dtype=torch.float32)
@@ -91,45 +92,13 @@ def draw_by_probabilities(samplers: Sequence[Drawn], logits: torch.Tensor) -> li
     # instead of overflowing the largest to inf (inf - inf is NaN inside softmax).
     probabilities = torch.softmax((logits - maxima).div_(temperatures), dim=-1)
     top_k = [sampler.params.top_k if 0 < sampler.params.top_k < vocab else 0 for sampler in samplers]
-    top_p = [sampler.params.top_p for sampler in samplers]
-    uniforms = [sampler.uniform() for sampler in samplers]
-    tokens = [0] * rows
-    restricted = [row for row in range(rows) if top_k[row] or top_p[row] < 1.0]
-    whole = [row for row in range(rows) if not (top_k[row] or top_p[row] < 1.0)]
-    if restricted:
-        candidates, indices = torch.topk(take_rows(probabilities, restricted), min(CANDIDATES, vocab), dim=-1)
-        floors = candidate_floors(candidates, [top_k[row] for row in restricted], [top_p[row] for row in restricted])
-        # Where every kept token is a candidate (all of them more likely than the last candidate),
-        # the draw needs the candidates alone; elsewhere it needs the whole row.
-        covered = (floors > candidates[:, -1]) | (candidates.shape[-1] == vocab)
-        inside = covered.nonzero()[:, 0].tolist()
-        outside = (~covered).nonzero()[:, 0].tolist()
-        if inside:
-            drawn = draw_kept(candidates[inside], indices[inside], floors[inside],
-                              [uniforms[restricted[row]] for row in inside])
-            for row, token in zip(inside, drawn):
-                tokens[restricted[row]] = token
-        whole += [restricted[row] for row in outside]
-    if whole:
-        whole.sort()
-        floors = kept_floors(take_rows(probabilities, whole), [top_k[row] for row in whole], [top_p[row] for row in whole])
-        drawn = draw_kept(take_rows(probabilities, whole), None, floors, [uniforms[row] for row in whole])
-        for row, token in zip(whole, drawn):
-            tokens[row] = token
-    return tokens
+    floors = kept_floors(probabilities, top_k, [sampler.params.top_p for sampler in samplers])
+    return draw_kept(probabilities, floors, [sampler.uniform() for sampler in samplers])
 
 
-def draw_kept(probabilities: torch.Tensor, indices: torch.Tensor | None, floors: torch.Tensor,
-              uniforms: Sequence[float]) -> list[int]:
-    """Draw each row's token among those at or above its floor, by inverse transform sampling.
-
-    Tokens are taken in vocabulary order (`indices` names the token of each column, None for the
-    whole vocabulary), so the candidates alone and the whole row draw the same token: the zeros of
-    the dropped tokens leave the running sums unchanged.
-    """
-    if indices is not None:
-        order = indices.argsort(dim=-1)
-        probabilities, indices = probabilities.gather(1, order), indices.gather(1, order)
+def draw_kept(probabilities: torch.Tensor, floors: torch.Tensor, uniforms: Sequence[float]) -> list[int]:
+    """Draw each row's token among those at or above its floor, by inverse transform sampling in
+    vocabulary order (the zeros of the dropped tokens leave the running sums unchanged)."""
     kept = probabilities if not floors.any() else torch.where(probabilities >= floors[:, None], probabilities, 0)
     weights = kept.double()
     cumulative = weights.cumsum(dim=-1)
@@ -137,33 +106,7 @@ def draw_kept(probabilities: torch.Tensor, indices: torch.Tensor | None, floors:
     targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * totals
     # Never a token of weight 0, even where rounding makes u * total the total.
     chosen = torch.minimum(torch.searchsorted(cumulative, targets, right=True), torch.searchsorted(cumulative, totals))
-    if indices is not None:
-        chosen = indices.gather(1, chosen)
     return chosen[:, 0].tolist()
-
-
-def candidate_floors(candidates: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
-    """Return each row's smallest kept probability, as far as its most likely candidates (sorted) decide it.
-
-    The floor is exact when it is above the last candidate; otherwise the row needs kept_floors.
-    """
-    rows, width = candidates.shape
-    ks = torch.tensor([[k] for k in top_k])
-    limited = ks[:, 0] > 0
-    # top_k's floor, or the last candidate where top_k is off or reaches past the candidates.
-    kth = candidates.gather(1, (ks.clamp(1, width) - 1).where(limited[:, None], width - 1))[:, 0]
-    floors = torch.where(limited & (ks[:, 0] <= width), kth, candidates[:, -1])
-    masses = candidates.double()
-    cumulative = masses.cumsum(dim=-1)
-    before = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), cumulative[:, :-1]], dim=-1)
-    # The mass top_k keeps: the softmax's own total where top_k is off, as the whole row's top_p takes it.
-    in_top_k = (candidates >= floors[:, None]).sum(dim=-1, keepdim=True)
-    totals = torch.where(limited[:, None], cumulative.gather(1, in_top_k - 1), 1.0)
-    thresholds = torch.tensor(top_p, dtype=torch.float64)[:, None] * totals
-    kept = (before < thresholds).sum(dim=-1, keepdim=True).clamp(1, width)
-    # Where top_k reaches past the candidates, its mass is unknown here: the row stays uncovered.
-    nucleus = torch.tensor([p < 1.0 for p in top_p]) & (ks[:, 0] <= width)
-    return torch.where(nucleus, torch.maximum(floors, candidates.gather(1, kept - 1)[:, 0]), floors)
 
 
 def kept_floors(probabilities: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
