@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import CACHE_DIR, progress, save_results  # noqa: E402
-from bench.versus import REPLY_TOKENS, short, spread, with_corechat  # noqa: E402
+from bench.versus import PEER_QUANTIZATION, REPLY_TOKENS, short, spread, with_corechat  # noqa: E402
 from harness import concurrent_streams  # noqa: E402
 
 STREAM_COUNTS = (1, 4, 8)
@@ -61,7 +61,7 @@ def main() -> None:
     """Run the rounds, print the tables and write the results files."""
     parser = argparse.ArgumentParser(prog="python bench/gathering.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--formats", nargs="+", default=["int8"], choices=("int8", "int4", "int4m"))
+    parser.add_argument("--formats", nargs="+", default=["int8"], choices=sorted(PEER_QUANTIZATION))
     parser.add_argument("--name", default="gathering")
     args = parser.parse_args()
     from devtools.devmodel import build_dev_model

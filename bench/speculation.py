@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import progress, save_results  # noqa: E402
-from bench.versus import spread, with_corechat  # noqa: E402
+from bench.versus import PEER_QUANTIZATION, spread, with_corechat  # noqa: E402
 from harness.client import stream_chat  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=Settings.model_fields["speculative_tokens"].default,
                         help="SPECULATIVE_TOKENS of the rounds with speculation (its default unless told)")
-    parser.add_argument("--dtype", default="int8", choices=("int8", "int4", "int4m"))
+    parser.add_argument("--dtype", default="int8", choices=sorted(PEER_QUANTIZATION))
     parser.add_argument("--replies", type=int, default=3, help="replies per workload and round")
     parser.add_argument("--name", default="speculation")
     args = parser.parse_args()

@@ -30,6 +30,7 @@ from .loading import (
 from .memory import KVBudget, kv_bytes_per_token, pages_needed, return_freed_memory
 from .prefixes import PrefixStore, SharedPrefixes
 from .prepare import prepare_model
+from .quantized import FORMATS
 from .runners import PagedModel, TransformersModel
 from .sampling import SAMPLER_VERSION, SamplingParams
 from .scheduler import Scheduler
@@ -39,9 +40,8 @@ from .text import TokenSpeller
 
 log = logging.getLogger(__name__)
 
-# int8, int4 and int4m keep bf16 for everything but the Linear weights (see quantized.py).
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
-          "int4m": torch.bfloat16}
+# The quantized formats keep bf16 for everything but the Linear weights (see quantized.py).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, **dict.fromkeys(FORMATS, torch.bfloat16)}
 WARMUP_MESSAGES = [{"role": "user", "content": "Hello! Say something short."}]
 WARMUP_TOKENS = 8
 

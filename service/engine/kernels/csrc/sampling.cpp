@@ -313,11 +313,10 @@ at::Tensor draw_tokens(const at::Tensor& logits, c10::ArrayRef<int64_t> top_k, c
         thread_local std::vector<double> block_sums;
         held.reserve(kHeld);
         for (int64_t row = begin; row < end; ++row) {
-            const RowDraw draw{top_k[row], temperatures[row], top_p[row], uniforms[row]};
-            out[row] = draw.top_k > kMostTopK && draw.top_k < width
-                           ? kWholeRow
-                           : draw_row(values + row * width, width, {draw.top_k >= width ? 0 : draw.top_k,
-                                      draw.temperature, draw.top_p, draw.uniform}, weigh, held, weights, block_sums);
+            const int64_t k = top_k[row] >= width ? 0 : top_k[row];  // a top_k of every token is none
+            out[row] = k > kMostTopK ? kWholeRow
+                                     : draw_row(values + row * width, width, {k, temperatures[row], top_p[row], uniforms[row]},
+                                                weigh, held, weights, block_sums);
         }
     });
     return chosen;
