@@ -33,7 +33,14 @@ from harness.observe import (
     value,
     wait_for_samples,
 )
-from harness.procfs import anonymous_megabytes, cpu_ticks_by_thread, file_mappings, memory_of, threads_of
+from harness.procfs import (
+    anonymous_megabytes,
+    cpu_ticks_by_thread,
+    file_mappings,
+    mapping_rss_kb,
+    memory_of,
+    threads_of,
+)
 from harness.proxy import DelayingProxy
 from harness.servers import REPO, TINY_MODEL_DIR, GunicornServer, RedisServer, free_port, processes_of
 from harness.sse import DONE, sse_payload, sse_payloads, sse_stream
@@ -42,7 +49,7 @@ __all__ = [
     "COUNTING", "DONE", "NO_END_OF_TURN", "REPO", "TINY_MODEL_DIR", "DelayingProxy", "GunicornServer", "RedisServer",
     "StreamResult", "StreamingClient",
     "anonymous_megabytes", "chat", "concurrent_streams", "cpu_ticks_by_thread", "file_mappings", "finished_by_worker",
-    "free_port", "hang_up_all", "memory_of", "parse_first_token_timings", "parse_samples", "processes_of",
-    "ready_facts", "scrape", "send_until_every_worker_served", "short_chat", "sse_payload", "sse_payloads",
-    "sse_stream", "stream_chat", "stream_reply", "threads_of", "value", "wait_for_samples",
+    "free_port", "hang_up_all", "mapping_rss_kb", "memory_of", "parse_first_token_timings", "parse_samples",
+    "processes_of", "ready_facts", "scrape", "send_until_every_worker_served", "short_chat", "sse_payload",
+    "sse_payloads", "sse_stream", "stream_chat", "stream_reply", "threads_of", "value", "wait_for_samples",
 ]

@@ -38,6 +38,20 @@ def file_mappings(path) -> list[tuple[int, int, str]]:
     return mappings
 
 
+def mapping_rss_kb(address: int) -> int:
+    """Return the kB of the memory mapping holding an address that this process has in memory (its Rss)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(bound, 16) for bound in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def threads_of(pid: int) -> list[int]:
     """Return the thread ids of a process."""
     return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]

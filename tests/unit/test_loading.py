@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harness import file_mappings
+from harness import file_mappings, mapping_rss_kb
 from service.engine.loading import ModelNotFound, load_model, map_safetensors, read_into_page_cache, resolve_model_dir
 
 
@@ -195,23 +195,8 @@ def test_the_embedding_table_is_read_into_the_page_cache_without_joining_the_pro
     resident, pages = resident_pages(table)
     if resident == pages:
         pytest.skip("this file system keeps the file's pages cached whatever it is told (tmpfs)")
-    mapped = memory_of_mapping(table)  # the header safetensors read, and the pages around it
+    mapped = mapping_rss_kb(table.data_ptr())  # the header safetensors read, and the pages around it
     assert read_into_page_cache(table) == table.numel() * 4
     assert resident_pages(table) == (pages, pages)
-    assert memory_of_mapping(table) == mapped < 8192
+    assert mapping_rss_kb(table.data_ptr()) == mapped < 8192
     assert read_into_page_cache(torch.zeros(1000)) == 0
-
-
-def memory_of_mapping(tensor: torch.Tensor) -> int:
-    """Return the kB of the file mapping holding a tensor that the process has in memory (its Rss)."""
-    address = tensor.data_ptr()
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                low, high = (int(bound, 16) for bound in head.split("-"))
-                inside = low <= address < high
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError("no mapping holds the tensor")
