@@ -4,8 +4,8 @@
 
 Each round starts corechat in its default shape (`make serve MODEL=smollm2`: a worker per core, idle
 cores lent) with SPECULATIVE_TOKENS at --tokens, then at 0 (the order reversed every other round),
-and streams one reply at a time to each workload: a JSON record and a code block to repeat with
-one change (text the prompt holds), greedy, and a story (text it does not), greedy and sampled;
+and streams one reply at a time to each workload: a JSON record (as text, and as a structured output
+under its JSON schema) and a code block to repeat with one change (text the prompt holds), greedy, and a story (text it does not), greedy and sampled;
 then 4 sampled stories at once (their aggregate tokens/s over the wall time). A reply's speed is its
 tokens after the first over the time after the first, as the client sees them; a round's figure is
 the median of --replies replies to the same prompt, each with a cache_salt of its own so no cache
@@ -36,6 +36,17 @@ REPLY_TOKENS = 200
 RECORD = json.dumps({"name": "Alice Smith", "email": "alice@example.com", "age": 34, "city": "Lisbon",
                      "orders": [{"id": 1017, "item": "keyboard", "price": 49.5},
                                 {"id": 1022, "item": "monitor", "price": 189.0}], "active": True}, indent=2)
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "age": {"type": "integer"},
+                   "city": {"type": "string"},
+                   "orders": {"type": "array", "items": {
+                       "type": "object", "additionalProperties": False, "required": ["id", "item", "price"],
+                       "properties": {"id": {"type": "integer"}, "item": {"type": "string"}, "price": {"type": "number"}}}},
+                   "active": {"type": "boolean"}},
+    "required": ["name", "email", "age", "city", "orders", "active"],
+    "additionalProperties": False,
+}
 CODE = ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
         "        subtotal += item['price'] * item['quantity']\n    tax = subtotal * tax_rate\n"
         "    return subtotal + tax\n")
@@ -45,6 +56,10 @@ STORY = "Write a short story about a lighthouse keeper who finds a message in a 
 WORKLOADS = {
     "edit JSON": (f"Repeat this JSON record exactly, with the city changed to Porto:\n```json\n{RECORD}\n```",
                   {"temperature": 0}),
+    # The same edit as a structured output: the record written on one line, as the schema's grammar spaces it.
+    "edit JSON, schema": (f"Repeat this JSON record exactly, with the city changed to Porto:\n{json.dumps(json.loads(RECORD))}",
+                          {"temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "record", "schema": RECORD_SCHEMA, "strict": True}}}),
     "edit code": (f"Rename the function total_price to order_total and repeat the whole code:\n```python\n{CODE}```",
                   {"temperature": 0}),
     "prose": (STORY, {"temperature": 0}),
