@@ -133,6 +133,40 @@ def test_prompt_rows_of_two_sequences_in_one_call_get_each_prompt_alones_bits():
             first += length
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 1, 64), (9, 3, 64), (6, 2, 128), (3, 1, 16)])
+def test_a_long_decode_row_split_over_threads_gets_one_threads_bits(heads, kv_heads, dim):
+    """From 1,024 keys a decode row whose (kv head, row) pairs cannot share the threads evenly splits each
+    pair's keys and value lanes over them: the same bits with 1 to 4 threads, on every path, just below
+    the threshold and past it, for a zero query (every score 0) as for a random one, and a NaN in one head's
+    query still gives NaN in that head alone."""
+    length = 1500
+    pages = -(-(length + 1) // PAGE_TOKENS)
+    pool = new_pool(pages + 1, dim, kv_heads)
+    table = torch.randperm(pages + 1, generator=torch.Generator().manual_seed(dim))[:pages].unsqueeze(0)
+    attend(pool, random(length, heads, dim, seed=60), random(length, kv_heads, dim, seed=61),
+           random(length, kv_heads, dim, seed=62), table, [0] * length, list(range(length)))
+    nan_query = random(1, heads, dim, seed=63)
+    nan_query[0, 0, 3] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        for position in (1022, 1023, length):  # 1,023 keys, then 1,024 (split) and 1,501
+            for query in (random(1, heads, dim, seed=position), torch.zeros(1, heads, dim, dtype=torch.bfloat16),
+                          nan_query):
+                row = (query, random(1, kv_heads, dim, seed=64), random(1, kv_heads, dim, seed=65), table, [0],
+                       [position])
+                torch.set_num_threads(1)
+                one_thread = attend(pool, *row, path="reference")
+                bits = one_thread.view(torch.int16)  # NaN's too
+                for path in paths():
+                    for threads in (1, 2, 3, 4):
+                        torch.set_num_threads(threads)
+                        got = attend(pool, *row, path=path).view(torch.int16)
+                        assert torch.equal(got, bits), (position, path, threads)
+            assert one_thread[0, 0].isnan().all() and not one_thread[0, 1:].isnan().any()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_nan_in_a_query_gives_nan_not_plausible_output():
     pool = new_pool(1)
     query = random(3, HEADS, DIM, seed=40)

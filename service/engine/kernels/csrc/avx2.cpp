@@ -6,6 +6,7 @@
 
 #include "lanes_avx2.h"
 #define CORECHAT_ATTEND attend_avx2
+#define CORECHAT_ATTEND_PART attend_part_avx2
 #include "attention.inc"
 #define CORECHAT_TOKEN_WEIGHTS token_weights_avx2
 #include "weights.inc"

@@ -6,6 +6,7 @@
 
 #include "lanes_avx512.h"
 #define CORECHAT_ATTEND attend_avx512
+#define CORECHAT_ATTEND_PART attend_part_avx512
 #include "attention.inc"
 #define CORECHAT_TOKEN_WEIGHTS token_weights_avx512
 #include "weights.inc"

@@ -174,6 +174,25 @@ void attend_reference(const PagedAttention&, int64_t, int64_t);
 void attend_avx2(const PagedAttention&, int64_t, int64_t);
 void attend_avx512(const PagedAttention&, int64_t, int64_t);
 
+// One (kv head, row) pair's attention split `parts` ways, for long contexts with fewer pairs than
+// threads (attention.inc: CORECHAT_ATTEND_PART): phase 0 scores part `part` of the pair's key
+// blocks and keeps each query vector's largest score among them, phase 1 turns that part's scores
+// into weights against the pair's largest, phase 2 weighs the values for part `part` of the dim's
+// 16-lane slices; the caller runs a phase for every (pair, part) before the next. The pair's
+// output is CORECHAT_ATTEND's bits: every score and weight is the same arithmetic, the total adds
+// the weights in the same order, and each output lane's chain over the keys is the same chain.
+struct AttendScratch {
+    float* scores;     // [group, stride] the pair's scores, then its weights
+    int64_t stride;    // at least the pair's keys, a whole number of key blocks
+    float* largest;    // [score_parts, group] each key part's largest score of each query vector
+    int64_t score_parts;
+};
+using AttendPartKernel = void (*)(const PagedAttention& task, int phase, int64_t pair, int64_t part, int64_t parts,
+                                  const AttendScratch& scratch);
+void attend_part_reference(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
+void attend_part_avx2(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
+void attend_part_avx512(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
+
 // The sampler's weights of a row of logits (weights.inc): each token's token_weight into `weights`,
 // each block of kWeightBlock tokens' sum into `block_sums`; returns their total. Every path gives the
 // reference's bits.

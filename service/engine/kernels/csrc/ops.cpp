@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -284,6 +285,11 @@ AttendKernel select_attend(int64_t requested) {
                                       CORECHAT_IF_AVX512(attend_avx512));
 }
 
+AttendPartKernel select_attend_part(int64_t requested) {
+    return lanes_kernel<AttendPartKernel>(requested, attend_part_reference, CORECHAT_IF_AVX2(attend_part_avx2),
+                                          CORECHAT_IF_AVX512(attend_part_avx512));
+}
+
 }  // namespace
 
 TokenWeightsKernel select_token_weights(int64_t path) {
@@ -329,6 +335,56 @@ void write_rows(const PagedAttention& task, const at::Tensor& keys, const at::Te
 
 }  // namespace
 
+namespace {
+
+// Keys a row attends to before its (kv head, row) pairs split over threads: below, one thread per
+// pair costs less than the split's two more hand-offs.
+constexpr int64_t kSplitKeys = 1024;
+
+// How many ways to split each (kv head, row) pair: 1 unless the rows are decode rows of distinct
+// sequences (no prompt tile to keep whole), each attending to at least kSplitKeys keys, and the
+// pairs cannot share the threads evenly (2 kv heads of one stream on 8 threads, 3 on 2); then the
+// fewest parts that can.
+int64_t attention_parts(const PagedAttention& task) {
+    const int64_t threads = at::get_num_threads(), pairs = task.kv_heads * task.rows;
+    const int64_t parts = threads / std::gcd(pairs, threads);
+    if (parts < 2) return 1;
+    for (int64_t row = 0; row < task.rows; ++row) {
+        if (task.positions[row] + 1 < kSplitKeys) return 1;
+        if (row > 0 && task.row_sequences[row] == task.row_sequences[row - 1]) return 1;
+    }
+    return parts;
+}
+
+// Attend with every pair split `parts` ways (kernels.h: AttendPartKernel): its keys for the scores and
+// weights, its value lanes (as many parts as the dim has 16-lane slices) for the output.
+void attend_split(const PagedAttention& task, int64_t parts, int64_t path) {
+    const AttendPartKernel kernel = select_attend_part(path);
+    const int64_t group = task.heads / task.kv_heads, pairs = task.kv_heads * task.rows;
+    int64_t stride = 0;
+    for (int64_t row = 0; row < task.rows; ++row) stride = std::max(stride, (task.positions[row] / kKeyBlock + 1) * kKeyBlock);
+    // The engine's thread calls every layer's attention: its buffers serve them all (read through
+    // pointers: a thread_local named in the lambda would be each pool thread's own).
+    thread_local std::vector<float> scores_buffer, largest_buffer;
+    scores_buffer.resize(pairs * group * stride);
+    largest_buffer.resize(pairs * parts * group);
+    float *scores = scores_buffer.data(), *largest = largest_buffer.data();
+    const auto phase = [&](int step, int64_t step_parts) {
+        at::parallel_for(0, pairs * step_parts, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t unit = begin; unit < end; ++unit) {
+                const int64_t pair = unit / step_parts;
+                kernel(task, step, pair, unit % step_parts, step_parts,
+                       AttendScratch{scores + pair * group * stride, stride, largest + pair * parts * group, parts});
+            }
+        });
+    };
+    phase(0, parts);
+    phase(1, parts);
+    phase(2, std::min(parts, task.dim / kKeyBlock));
+}
+
+}  // namespace
+
 // torch.ops.corechat.paged_attention: write each row's keys and values into the pool, then attend
 // (kernels.h: PagedAttention); [rows, heads, dim] out.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, at::Tensor& pool,
@@ -364,7 +420,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
             TORCH_CHECK(page >= 0 && page < pages, "row ", row, "'s table names page ", page, " of ", pages);
         }
     }
-    const AttendKernel kernel = select_attend(path);
     at::Tensor output = at::empty({rows, heads, dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
     const int64_t layer_stride = 2 * kv_heads * kPageTokens * dim;
     PagedAttention task{
@@ -374,7 +429,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
         reinterpret_cast<uint16_t*>(output.data_ptr()), rows, heads, kv_heads, dim, static_cast<float>(scale)};
     // Every row's keys are in place before any row attends: a prompt's tokens read each other's.
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) { write_rows(task, keys, values, begin, end); });
-    at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) { kernel(task, begin, end); });
+    const int64_t parts = attention_parts(task);
+    if (parts > 1) {
+        attend_split(task, parts, path);
+    } else {
+        const AttendKernel kernel = select_attend(path);
+        at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) { kernel(task, begin, end); });
+    }
     return output;
 }
 

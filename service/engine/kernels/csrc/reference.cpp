@@ -142,6 +142,7 @@ void matmul_reference(const QuantizedRows& x, const Weights& w, const float* bia
 
 #include "lanes_scalar.h"
 #define CORECHAT_ATTEND attend_reference
+#define CORECHAT_ATTEND_PART attend_part_reference
 #include "attention.inc"
 #define CORECHAT_TOKEN_WEIGHTS token_weights_reference
 #include "weights.inc"
