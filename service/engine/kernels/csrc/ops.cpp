@@ -362,7 +362,8 @@ void attend_split(const PagedAttention& task, int64_t parts, int64_t path) {
     const AttendPartKernel kernel = select_attend_part(path);
     const int64_t group = task.heads / task.kv_heads, pairs = task.kv_heads * task.rows;
     int64_t stride = 0;
-    for (int64_t row = 0; row < task.rows; ++row) stride = std::max(stride, (task.positions[row] / kKeyBlock + 1) * kKeyBlock);
+    for (int64_t row = 0; row < task.rows; ++row)
+        stride = std::max(stride, (task.positions[row] / kKeyBlock + 1) * kKeyBlock);
     // The engine's thread calls every layer's attention: its buffers serve them all (read through
     // pointers: a thread_local named in the lambda would be each pool thread's own).
     thread_local std::vector<float> scores_buffer, largest_buffer;
