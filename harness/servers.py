@@ -28,6 +28,10 @@ def free_port() -> int:
 TINY_MODEL_DIR = Path(os.environ.get("CORECHAT_TEST_MODEL_DIR", Path.home() / ".cache" / "corechat" / "test-tiny"))
 
 
+class PortTaken(RuntimeError):
+    """Gunicorn could not bind its port: another process took it after free_port chose it."""
+
+
 class GunicornServer:
     """corechat under real Gunicorn, configured through the environment as operators do.
 
@@ -62,10 +66,21 @@ class GunicornServer:
         """Return the base URL of the server."""
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120) -> "GunicornServer":
-        """Start Gunicorn and wait until every worker reports ready."""
-        self.launch()
-        self.wait_ready(timeout)
+    def start(self, timeout: float = 120, attempts: int = 3) -> "GunicornServer":
+        """Start Gunicorn and wait until every worker reports ready; on another free port if another server
+        took this one between free_port and Gunicorn's bind (tests in parallel start servers at once)."""
+        for attempt in range(attempts):
+            self.launch()
+            try:
+                self.wait_ready(timeout)
+                return self
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                self._log.close()
+                self.port = free_port()
+                self.env["BIND"] = f"127.0.0.1:{self.port}"
+                self.log_path = self.log_path.with_name(f"gunicorn-{self.port}.log")
         return self
 
     def launch(self) -> "GunicornServer":
@@ -97,7 +112,8 @@ class GunicornServer:
                 response = requests.get(f"{self.url}/readyz", timeout=2, headers={"Connection": "close"})
             except requests.RequestException:
                 continue
-            if response.status_code == 200:
+            # Only this master's workers: a server that held the port before this one bound it answers too.
+            if response.status_code == 200 and response.json()["worker_pid"] in self.worker_pids():
                 pids.add(response.json()["worker_pid"])
             if len(pids) == self.workers:
                 break
@@ -108,7 +124,10 @@ class GunicornServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {self.process.returncode}:\n{self.log()}")
+                log = self.log()
+                if "Connection in use" in log:
+                    raise PortTaken(f"port {self.port} was taken before gunicorn bound it:\n{log}")
+                raise RuntimeError(f"gunicorn exited with {self.process.returncode}:\n{log}")
             if len(self.ready_workers()) == self.workers:
                 return
             time.sleep(0.2)

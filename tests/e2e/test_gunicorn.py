@@ -1,6 +1,8 @@
 """End to end: real Gunicorn with 2 workers on the tiny model, over real HTTP."""
 
 import contextlib
+import http.server
+import json
 import signal
 import threading
 import time
@@ -191,3 +193,36 @@ def test_prompts_of_ever_new_lengths_do_not_grow_a_bfloat16_worker(gunicorn):
         for words in range(31, 101):
             ask(words)
         assert anonymous_megabytes(worker) - before < 100
+
+
+def test_a_server_whose_port_was_taken_moves_to_another_and_never_takes_the_impostor_for_itself(gunicorn):
+    """Tests in parallel start servers at once: another may bind the port free_port chose before Gunicorn does.
+    Its /readyz must not pass for this server's (once a keyed server answered a test's requests this way), and
+    the server starts again on another free port."""
+    impostor = http.server.HTTPServer(("127.0.0.1", 0), ReadyImpostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    server = gunicorn(workers=1)
+    taken = impostor.server_address[1]
+    server.port, server.env["BIND"] = taken, f"127.0.0.1:{taken}"
+    try:
+        with server:
+            assert server.port != taken
+            assert requests.get(f"{server.url}/readyz", timeout=10).json()["worker_pid"] in server.worker_pids()
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
+
+
+class ReadyImpostor(http.server.BaseHTTPRequestHandler):
+    """Another server on the port: it answers /readyz as a ready worker would."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "ready", "worker_pid": 1}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        """Stay quiet."""
