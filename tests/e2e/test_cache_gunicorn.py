@@ -66,10 +66,13 @@ def one_worker(gunicorn, shared_redis):
 
 
 def test_concurrent_identical_requests_cost_one_generation_and_followers_stream_live(two_workers):
+    # Seeded at temperature 1 and long: a greedy reply of the tiny model repeats
+    # itself, speculation takes it in a few steps, and it could end before a follower's first token arrives.
+    body = {**BODY, "temperature": 1.0, "seed": 7, "max_tokens": 400}
     before = sum(finished_by_worker(two_workers).values())
     samples_before = scrape(two_workers)
     replies = [{} for _ in range(4)]
-    threads = [threading.Thread(target=stream_reply, args=(two_workers.url, BODY, reply)) for reply in replies]
+    threads = [threading.Thread(target=stream_reply, args=(two_workers.url, body, reply)) for reply in replies]
     for thread in threads:
         thread.start()
     for thread in threads:
