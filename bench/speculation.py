@@ -4,12 +4,13 @@
 
 Each round starts corechat in its default shape (`make serve MODEL=smollm2`: a worker per core, idle
 cores lent) with SPECULATIVE_TOKENS at --tokens, then at 0 (the order reversed every other round),
-and streams one reply at a time to each workload: a JSON record (as text, and as a structured output
-under its JSON schema) and a code block to repeat with one change (text the prompt holds), greedy, and a story (text it does not), greedy and sampled;
-then 4 sampled stories at once (their aggregate tokens/s over the wall time). A reply's speed is its
-tokens after the first over the time after the first, as the client sees them; a round's figure is
-the median of --replies replies to the same prompt, each with a cache_salt of its own so no cache
-answers it; the table also tells whether the replies were the same text on and off. Results go to
+and streams one reply at a time to each workload: a JSON record (as text, and as a structured
+output under its JSON schema) and a code block to repeat with one change (text the prompt holds),
+greedy, and a story (text it does not), greedy and sampled; then 4 sampled stories at once (their
+aggregate tokens/s over the wall time). A reply's speed is its tokens after the first over the time
+after the first, as the client sees them; a round's figure is the median of --replies replies to
+the same prompt, each with a cache_salt of its own so no cache answers it; the table also tells
+whether the replies were the same text on and off. Results go to
 bench/results/<machine>/speculation.json and .md with the CPU, the date and the commit.
 """
 
