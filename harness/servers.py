@@ -113,8 +113,8 @@ class GunicornServer:
             except requests.RequestException:
                 continue
             # Only this master's workers: a server that held the port before this one bound it answers too.
-            if response.status_code == 200 and response.json()["worker_pid"] in self.worker_pids():
-                pids.add(response.json()["worker_pid"])
+            if response.status_code == 200 and (pid := response.json()["worker_pid"]) in self.worker_pids():
+                pids.add(pid)
             if len(pids) == self.workers:
                 break
         return pids
