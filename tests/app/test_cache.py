@@ -376,7 +376,10 @@ def test_a_worker_continues_the_run_of_one_that_died(make_settings, engine, back
 
 
 def test_a_failed_generation_fails_every_reader_of_its_flight_once(make_settings, engine, backend, caplog):
-    app = build_app(make_settings, engine, backend, cache_lease_seconds=0.5)
+    # The worker that takes the run over holds a lease of 2 s: with 0.5 s, a suite loading the machine once
+    # let it lapse before the failure was written (a leader past its lease writes nothing), and the last
+    # request below took the broken run over again. The dead leader's lease stays 0.5 s.
+    app = build_app(make_settings, engine, backend, cache_lease_seconds=2.0)
     body = {**GREEDY, "max_tokens": 16, "stream": True}
     # A run whose tokens the model cannot take: continuing it fails in the engine's prompt pass.
     broken = TextDelta("?", (10**9,))
