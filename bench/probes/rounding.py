@@ -28,10 +28,10 @@ from torch import nn  # noqa: E402
 
 from bench import save_results  # noqa: E402
 from bench.quality import TEXT, WINDOW, Tally, read_text, scored_positions, text_tokens, windows_of  # noqa: E402
+from service.engine.converted import OUTPUT_LAYER  # noqa: E402
 from service.engine.quantized import (  # noqa: E402
     INT4,
     INT8,
-    OUTPUT_LAYER,
     dequantize,
     quantize_int4,
     quantize_int8,
