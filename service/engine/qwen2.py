@@ -42,14 +42,15 @@ class FusedLayer:
 
 
 def product_arguments(linears: list[QuantizedLinear]) -> tuple:
-    """Return the weights, scales, biases, output counts and format of products, as the operators take them."""
+    """Return the weights, scales, biases, output counts and formats of products, as the operators take them."""
     return ([linear.qweight for linear in linears], [linear.qscale for linear in linears],
-            [linear.bias for linear in linears], [linear.out_features for linear in linears], linears[0].format.code)
+            [linear.bias for linear in linears], [linear.out_features for linear in linears],
+            [linear.format.code for linear in linears])
 
 
 def fused_layers(model) -> list[FusedLayer] | None:
     """Return the fused operators' arguments for every decoder layer, or None unless every product
-    of every layer is quantized, in one format, and the output layer too (in a format of its own)."""
+    of every layer is quantized, and the output layer too (each product in its own format)."""
     if not isinstance(model.lm_head, QuantizedLinear):
         return None
     layers = []
@@ -58,7 +59,7 @@ def fused_layers(model) -> list[FusedLayer] | None:
         before = [attention.q_proj, attention.k_proj, attention.v_proj]
         after = [attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         linears = before + after
-        if not all(isinstance(linear, QuantizedLinear) and linear.format is linears[0].format for linear in linears):
+        if not all(isinstance(linear, QuantizedLinear) for linear in linears):
             return None
         layers.append(FusedLayer(
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, *product_arguments(before)),
@@ -132,22 +133,24 @@ def lean_model(model, between_layers: Callable[[], object] | None = None) -> Lea
 
 def register_layers(model, fused: list[FusedLayer]) -> int:
     """Hand a quantized model's layers to the kernels once; return the handle run_layers takes."""
-    norms, epsilons, weights, scales, biases, outputs = [], [], [], [], [], []
+    norms, epsilons, weights, scales, biases, outputs, formats = [], [], [], [], [], [], []
     # Either none or every layer has head norms (a model has one decoder class): two weights a layer.
     per_head, head_epsilons = [], []
     for layer in fused:
         if layer.head_norms is not None:
             per_head += layer.head_norms[:2]
             head_epsilons.append(layer.head_norms[2])
-        for norm, eps, layer_weights, layer_scales, layer_biases, layer_outputs, _ in (layer.attention, layer.mlp):
+        for norm, eps, layer_weights, layer_scales, layer_biases, layer_outputs, layer_formats in (layer.attention,
+                                                                                                  layer.mlp):
             norms.append(norm)
             epsilons.append(eps)
             weights += layer_weights
             scales += layer_scales
             biases += layer_biases
             outputs += layer_outputs
+            formats += layer_formats
     attention = model.model.layers[0].self_attn
-    return torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fused[0].attention[-1],
+    return torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, formats,
                                               attention.head_dim, attention.scaling, per_head, head_epsilons)
 
 

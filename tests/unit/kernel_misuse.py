@@ -58,7 +58,7 @@ def attention_inputs(hidden_states=None, cos=None, sin=None, shapes=None):
                                                            (2 * HEAD_DIM, WIDTH)])
     rotary = torch.randn(2, HEAD_DIM).bfloat16()
     return torch.ops.corechat.attention_inputs(hidden() if hidden_states is None else hidden_states, norm(), EPS,
-                                               weights, scales, biases, outputs, INT8.code,
+                                               weights, scales, biases, outputs, [INT8.code] * 3,
                                                rotary if cos is None else cos, rotary if sin is None else sin, HEAD_DIM)
 
 
@@ -68,7 +68,7 @@ def mlp(hidden_states=None, attended=None, shapes=None):
                                                            (INTERMEDIATE, WIDTH), (WIDTH, INTERMEDIATE)])
     return torch.ops.corechat.mlp(hidden() if hidden_states is None else hidden_states,
                                   hidden() if attended is None else attended, norm(), EPS, weights, scales, biases,
-                                  outputs, INT8.code)
+                                  outputs, [INT8.code] * 4)
 
 
 META = torch.device("meta")

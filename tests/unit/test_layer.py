@@ -67,17 +67,29 @@ def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator)
     return stored, scales, torch.randn(outputs, generator=generator) * 0.1
 
 
+def values_int8(fmt) -> tuple:
+    """Return a layer's product formats as the 4-bit conversions store them: the value product int8."""
+    return (fmt, fmt, INT8, fmt, fmt, fmt, fmt)
+
+
+# Every format alone, and the 4-bit formats with their int8 value product (converted.py: format_of).
+LAYER_FORMATS = [INT8, INT4, INT4M, values_int8(INT4), values_int8(INT4M)]
+LAYER_FORMAT_IDS = ["int8", "int4", "int4m", "int4-values-int8", "int4m-values-int8"]
+
+
 class Layer:
     """A random decoder layer's weights: `heads` query heads on half as many key/value heads, q/k/v with biases,
-    and with `head_norms` Qwen3's query and key norms."""
+    and with `head_norms` Qwen3's query and key norms. `fmt` is one format for every product, or the
+    seven products' formats (q, k, v, o, gate, up, down)."""
 
     def __init__(self, fmt, width: int, intermediate: int, seed: int, heads: int = 4, head_norms: bool = False):
         generator = torch.Generator().manual_seed(seed)
-        self.fmt, self.width = fmt, width
+        self.formats, self.width = list(fmt) if isinstance(fmt, tuple) else [fmt] * 7, width
         kv_width = heads // 2 * HEAD_DIM
         shapes = [heads * HEAD_DIM, kv_width, kv_width, width, intermediate, intermediate, width]
         inputs = [width] * 6 + [intermediate]
-        self.products = [random_quantized(fmt, outputs, size, generator) for outputs, size in zip(shapes, inputs)]
+        self.products = [random_quantized(product_format, outputs, size, generator)
+                         for product_format, outputs, size in zip(self.formats, shapes, inputs, strict=True)]
         self.outputs = shapes
         # o, gate, up and down have no bias in Qwen2.
         self.products[3:] = [(weight, scales, None) for weight, scales, _ in self.products[3:]]
@@ -89,13 +101,13 @@ class Layer:
         """Return products first..last-1 as the fused operators take them."""
         chosen = self.products[first:last]
         return ([p[0] for p in chosen], [p[1] for p in chosen], [p[2] for p in chosen], self.outputs[first:last],
-                self.fmt.code)
+                [fmt.code for fmt in self.formats[first:last]])
 
     def product(self, index: int, inputs: torch.Tensor) -> torch.Tensor:
         """Run one product alone, as the per-operation forward does."""
         weight, scales, bias = self.products[index]
-        return torch.ops.corechat.quantized_linear(inputs, weight, scales, bias, self.fmt.code, self.outputs[index],
-                                                   False)
+        return torch.ops.corechat.quantized_linear(inputs, weight, scales, bias, self.formats[index].code,
+                                                   self.outputs[index], False)
 
 
 def rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -153,7 +165,7 @@ def assert_fused_as_one_by_one(layer: Layer, rows: int, seed: int) -> None:
         assert torch.equal(got_out, expected_out)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
+@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=LAYER_FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 17, 40])
 def test_fused_blocks_give_the_bits_of_their_operations_one_by_one(fmt, rows):
     """17 and 40 rows split the elementwise loops across threads (16 rows a task)."""
@@ -168,7 +180,7 @@ def test_qwen3_head_norms_give_the_bits_of_corechats_norm_on_each_head_before_th
     assert_fused_as_one_by_one(layer, rows, seed=rows)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
+@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=LAYER_FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a_bit(fmt, rows):
     """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
@@ -191,7 +203,10 @@ def test_fused_operators_refuse_mismatched_arguments():
     weights, scales, biases, outputs, code = layer.arguments(0, 3)
     with pytest.raises(RuntimeError, match="takes 3 products"):
         torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights[:2], scales[:2], biases[:2],
-                                            outputs[:2], code, cos, sin, HEAD_DIM)
+                                            outputs[:2], code[:2], cos, sin, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="takes 3 products"):
+        torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights, scales, biases, outputs, code[:2],
+                                            cos, sin, HEAD_DIM)
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.corechat.attention_inputs(hidden, layer.norms[0], EPS, weights, scales, biases, outputs, code,
                                             cos[:1], sin[:1], HEAD_DIM)
@@ -204,21 +219,22 @@ def test_fused_operators_refuse_mismatched_arguments():
         torch.ops.corechat.rms_norm(hidden.float(), layer.norms[0], EPS)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4, INT4M], ids=["int8", "int4", "int4m"])
+@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=LAYER_FORMAT_IDS)
 def test_run_products_runs_every_registered_product_and_refuses_what_it_cannot(fmt):
     """The step probe's products-only pass: every layer's products at their shapes (each product checks
     its input's width against its weights), and its own checks."""
     layers = [Layer(fmt, width=128, intermediate=256, seed=seed) for seed in (7, 8)]
-    norms, epsilons, weights, scales, biases, outputs = [], [], [], [], [], []
+    norms, epsilons, weights, scales, biases, outputs, formats = [], [], [], [], [], [], []
     for layer in layers:
         norms += layer.norms
         epsilons += [EPS, EPS]
+        formats += [product_format.code for product_format in layer.formats]
         for weight, scale, bias in layer.products:
             weights.append(weight)
             scales.append(scale)
             biases.append(bias)
         outputs += layer.outputs
-    model = torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fmt.code, HEAD_DIM,
+    model = torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, formats, HEAD_DIM,
                                                HEAD_DIM ** -0.5, [], [])
     for rows in (1, 5):
         assert torch.ops.corechat.run_products(model, rows) is None
@@ -227,5 +243,8 @@ def test_run_products_runs_every_registered_product_and_refuses_what_it_cannot(f
     with pytest.raises(RuntimeError, match="no registered layers"):
         torch.ops.corechat.run_products(model + 1000, 1)
     with pytest.raises(RuntimeError, match="head norms are two per layer"):
-        torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, fmt.code, HEAD_DIM,
+        torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, formats, HEAD_DIM,
                                            HEAD_DIM ** -0.5, layers[0].norms, [EPS])
+    with pytest.raises(RuntimeError, match="seven products per layer"):
+        torch.ops.corechat.register_layers(norms, epsilons, weights, scales, biases, outputs, formats[:-1], HEAD_DIM,
+                                           HEAD_DIM ** -0.5, [], [])

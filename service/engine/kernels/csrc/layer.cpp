@@ -20,9 +20,11 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -132,28 +134,51 @@ void add_into(at::Tensor& sum, const at::Tensor& addend) {
         out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
 }
 
-// The products of a block: weights, scales, biases and output counts side by side.
+// The products of a block: weights, scales, biases, output counts and formats side by side.
 struct Products {
     const std::vector<at::Tensor>& weights;
     const std::vector<at::Tensor>& scales;
     const c10::List<std::optional<at::Tensor>>& biases;
     const std::vector<int64_t>& outputs;
-    int64_t format;
+    const std::vector<int64_t>& formats;
 
     Products(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
              const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
-             int64_t format, size_t count, const char* block)
-        : weights(weights), scales(scales), biases(biases), outputs(outputs), format(format) {
+             const std::vector<int64_t>& formats, size_t count, const char* block)
+        : weights(weights), scales(scales), biases(biases), outputs(outputs), formats(formats) {
         TORCH_CHECK(weights.size() == count && scales.size() == count && biases.size() == count &&
-                    outputs.size() == count, block, " takes ", count, " products");
+                    outputs.size() == count && formats.size() == count, block, " takes ", count, " products");
     }
 
-    // Products `indices` of one input, computed together (ops.h: products), in that order.
-    std::vector<at::Tensor> apply(std::initializer_list<size_t> indices, const QuantizedInput& input) const {
-        std::vector<ProductSpec> specs;
-        for (size_t index : indices)
-            specs.push_back(ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false});
-        return products(input, specs, 0);
+    // Products `indices` of one input, in that order: those of one format computed together (ops.h:
+    // products) on the input as `input_for` rounds it for that format, once. A block whose products
+    // share a format (every block but the 4-bit formats' query, key and value) is one rounding and one call.
+    template <typename InputFor>
+    std::vector<at::Tensor> apply(std::initializer_list<size_t> indices, const InputFor& input_for) const {
+        const std::vector<size_t> order(indices);
+        std::vector<at::Tensor> results(order.size());
+        std::vector<bool> done(order.size(), false);
+        for (size_t first = 0; first < order.size(); ++first) {
+            if (done[first]) continue;
+            const int64_t format = formats[order[first]];
+            std::vector<ProductSpec> specs;
+            std::vector<size_t> slots;
+            for (size_t at = first; at < order.size(); ++at) {
+                const size_t index = order[at];
+                if (done[at] || formats[index] != format) continue;
+                specs.push_back(ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false});
+                slots.push_back(at);
+                done[at] = true;
+            }
+            std::vector<at::Tensor> group = products(input_for(format), specs, 0);
+            for (size_t k = 0; k < slots.size(); ++k) results[slots[k]] = std::move(group[k]);
+        }
+        return results;
+    }
+
+    // Products `indices` of a bfloat16 input [rows, width], rounded for each format among them.
+    std::vector<at::Tensor> apply(std::initializer_list<size_t> indices, const at::Tensor& input) const {
+        return apply(indices, [&](int64_t format) { return quantize_input(input, format); });
     }
 };
 
@@ -163,11 +188,12 @@ struct Products {
 std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                                          const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                                          const c10::List<std::optional<at::Tensor>>& biases,
-                                         const std::vector<int64_t>& outputs, int64_t format, const at::Tensor& cos,
+                                         const std::vector<int64_t>& outputs, const std::vector<int64_t>& formats,
+                                         const at::Tensor& cos,
                                          const at::Tensor& sin, int64_t head_dim,
                                          const std::optional<at::Tensor>& query_norm,
                                          const std::optional<at::Tensor>& key_norm, double head_eps) {
-    const Products products(weights, scales, biases, outputs, format, 3, "attention_inputs");
+    const Products products(weights, scales, biases, outputs, formats, 3, "attention_inputs");
     check_matrix(hidden, "hidden");
     check_matrix(cos, "cos");
     check_matrix(sin, "sin");
@@ -177,9 +203,8 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
                 "cos and sin must be [rows, head_dim]");
     for (size_t index = 0; index < 3; ++index)
         TORCH_CHECK(outputs[index] % head_dim == 0, "product ", index, " does not hold whole heads");
-    // Rounded once for the three products.
-    const QuantizedInput states = quantize_input(rms_norm(hidden, norm_weight, eps), format);
-    std::vector<at::Tensor> results = products.apply({0, 1, 2}, states);
+    // Rounded once for the three products (once per format where they differ).
+    std::vector<at::Tensor> results = products.apply({0, 1, 2}, rms_norm(hidden, norm_weight, eps));
     if (query_norm.has_value()) norm_heads(results[0], head_dim, *query_norm, head_eps);
     if (key_norm.has_value()) norm_heads(results[1], head_dim, *key_norm, head_eps);
     rotate(results[0], head_dim, cos, sin);
@@ -192,8 +217,8 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
 at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& norm_weight, double eps,
                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
-               int64_t format) {
-    const Products products(weights, scales, biases, outputs, format, 4, "mlp");
+               const std::vector<int64_t>& formats) {
+    const Products products(weights, scales, biases, outputs, formats, 4, "mlp");
     check_matrix(hidden, "hidden");
     check_matrix(attended, "attended");
     // add_into walks the sum's elements over its addend's: every operand of a sum must be hidden's shape.
@@ -201,16 +226,15 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     TORCH_CHECK(outputs[0] == hidden.size(1) && outputs[3] == hidden.size(1),
                 "the output and down products must give hidden's width, ", hidden.size(1));
     TORCH_CHECK(outputs[1] == outputs[2], "the gate and up products must have the same width");
-    at::Tensor sum = products.apply({0}, quantize_input(attended, format))[0];
+    at::Tensor sum = products.apply({0}, attended)[0];
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
     // Rounded once for gate and up.
-    const QuantizedInput states = quantize_input(rms_norm(sum, norm_weight, eps), format);
     // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
-    std::vector<at::Tensor> gate_up = products.apply({1, 2}, states);
+    std::vector<at::Tensor> gate_up = products.apply({1, 2}, rms_norm(sum, norm_weight, eps));
     at::Tensor activation = at::silu(gate_up[0]);
     activation.mul_(gate_up[1]);
-    at::Tensor down = products.apply({3}, quantize_input(activation, format))[0];
+    at::Tensor down = products.apply({3}, activation)[0];
     add_into(sum, down);
     return sum;
 }
@@ -225,12 +249,12 @@ struct LayerArguments {
     double head_eps = 0.0;
     std::vector<at::Tensor> attention_weights, attention_scales, mlp_weights, mlp_scales;
     c10::List<std::optional<at::Tensor>> attention_biases, mlp_biases;
-    std::vector<int64_t> attention_outputs, mlp_outputs;
+    std::vector<int64_t> attention_outputs, mlp_outputs, attention_formats, mlp_formats;
 };
 
 struct RegisteredLayers {
     std::vector<LayerArguments> layers;
-    int64_t format, head_dim;
+    int64_t head_dim;
     double scaling;
 };
 
@@ -240,12 +264,13 @@ std::vector<std::shared_ptr<const RegisteredLayers>> registry;
 constexpr size_t kAttentionProducts = 3, kMlpProducts = 4, kProducts = kAttentionProducts + kMlpProducts;
 
 // Keep a model's layers for run_layers: per layer its two norms' weights and epsilons, then its
-// products q, k, v, o, gate, up, down (weights, scales, biases, outputs), layer after layer; and,
+// products q, k, v, o, gate, up, down (weights, scales, biases, outputs, formats), layer after layer; and,
 // for Qwen3, its query and key norms' weights (two a layer) and their epsilon (one a layer).
 int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<double>& epsilons,
                         const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                         const c10::List<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
-                        int64_t format, int64_t head_dim, double scaling, const std::vector<at::Tensor>& head_norms,
+                        const std::vector<int64_t>& formats, int64_t head_dim, double scaling,
+                        const std::vector<at::Tensor>& head_norms,
                         const std::vector<double>& head_epsilons) {
     const size_t count = norms.size() / 2;
     TORCH_CHECK(count > 0 && norms.size() == 2 * count && epsilons.size() == 2 * count, "two norms per layer");
@@ -254,10 +279,9 @@ int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<
                 "head norms are two per layer with one epsilon, or none");
     for (const at::Tensor& norm : head_norms) check_vector(norm, head_dim, "head norm weight");
     TORCH_CHECK(weights.size() == kProducts * count && scales.size() == weights.size() && biases.size() == weights.size() &&
-                outputs.size() == weights.size(), "seven products per layer");
+                outputs.size() == weights.size() && formats.size() == weights.size(), "seven products per layer");
     TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
     auto model = std::make_shared<RegisteredLayers>();
-    model->format = format;
     model->head_dim = head_dim;
     model->scaling = scaling;
     for (size_t layer = 0; layer < count; ++layer) {
@@ -278,6 +302,7 @@ int64_t register_layers(const std::vector<at::Tensor>& norms, const std::vector<
             (before ? arguments.attention_scales : arguments.mlp_scales).push_back(scales[at]);
             (before ? arguments.attention_biases : arguments.mlp_biases).push_back(biases.get(at));
             (before ? arguments.attention_outputs : arguments.mlp_outputs).push_back(outputs[at]);
+            (before ? arguments.attention_formats : arguments.mlp_formats).push_back(formats[at]);
         }
         model->layers.push_back(std::move(arguments));
     }
@@ -305,13 +330,13 @@ at::Tensor run_layers(int64_t model, const at::Tensor& hidden, const at::Tensor&
         const LayerArguments& layer = layers->layers[index];
         std::vector<at::Tensor> projected = attention_inputs(
             states, layer.attention_norm, layer.attention_eps, layer.attention_weights, layer.attention_scales,
-            layer.attention_biases, layer.attention_outputs, layers->format, cos, sin, head_dim, layer.query_norm,
+            layer.attention_biases, layer.attention_outputs, layer.attention_formats, cos, sin, head_dim, layer.query_norm,
             layer.key_norm, layer.head_eps);
         at::Tensor attended = paged_attention(projected[0].view({rows, -1, head_dim}), projected[1].view({rows, -1, head_dim}),
                                               projected[2].view({rows, -1, head_dim}), pool, static_cast<int64_t>(index),
                                               tables, row_sequences, positions, layers->scaling, 0);
         states = mlp(states, attended.view({rows, -1}), layer.mlp_norm, layer.mlp_eps, layer.mlp_weights, layer.mlp_scales,
-                     layer.mlp_biases, layer.mlp_outputs, layers->format);
+                     layer.mlp_biases, layer.mlp_outputs, layer.mlp_formats);
     }
     return states;
 }
@@ -323,18 +348,29 @@ void run_products(int64_t model, int64_t rows) {
     const std::shared_ptr<const RegisteredLayers> layers = registered(model);
     TORCH_CHECK(rows > 0, "rows must be above 0");
     const LayerArguments& first = layers->layers.front();
-    // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
-    const auto input_of = [&](const at::Tensor& weight) {
-        return quantize_input(at::ones({rows, weight.size(1) * (packed_nibbles(layers->format) ? 2 : 1)},
-                                       first.attention_norm.options()),
-                              layers->format);
+    // Each product's input, rounded once before for its format, by input width.
+    std::map<std::pair<int64_t, int64_t>, QuantizedInput> rounded;
+    const auto inputs_of = [&](int64_t width) {
+        return [&, width](int64_t format) -> const QuantizedInput& {
+            auto found = rounded.find({width, format});
+            if (found == rounded.end())
+                found = rounded.emplace(std::make_pair(width, format),
+                                        quantize_input(at::ones({rows, width}, first.attention_norm.options()), format))
+                            .first;
+            return found->second;
+        };
     };
-    const QuantizedInput narrow = input_of(first.attention_weights[0]), attended = input_of(first.mlp_weights[0]),
-                         wide = input_of(first.mlp_weights[3]);
+    // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
+    const auto width_of = [](const at::Tensor& weight, int64_t format) {
+        return weight.size(1) * (packed_nibbles(format) ? 2 : 1);
+    };
+    const auto narrow = inputs_of(width_of(first.attention_weights[0], first.attention_formats[0])),
+               attended = inputs_of(width_of(first.mlp_weights[0], first.mlp_formats[0])),
+               wide = inputs_of(width_of(first.mlp_weights[3], first.mlp_formats[3]));
     for (const LayerArguments& layer : layers->layers) {
         const Products before(layer.attention_weights, layer.attention_scales, layer.attention_biases,
-                              layer.attention_outputs, layers->format, kAttentionProducts, "run_products");
-        const Products after(layer.mlp_weights, layer.mlp_scales, layer.mlp_biases, layer.mlp_outputs, layers->format,
+                              layer.attention_outputs, layer.attention_formats, kAttentionProducts, "run_products");
+        const Products after(layer.mlp_weights, layer.mlp_scales, layer.mlp_biases, layer.mlp_outputs, layer.mlp_formats,
                              kMlpProducts, "run_products");
         before.apply({0, 1, 2}, narrow);
         after.apply({0}, attended);
@@ -348,13 +384,13 @@ void run_products(int64_t model, int64_t rows) {
 TORCH_LIBRARY_FRAGMENT(corechat, m) {
     m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor", rms_norm);
     m.def("attention_inputs(Tensor hidden, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
-          "Tensor?[] biases, int[] outputs, int format, Tensor cos, Tensor sin, int head_dim, "
+          "Tensor?[] biases, int[] outputs, int[] formats, Tensor cos, Tensor sin, int head_dim, "
           "Tensor? query_norm=None, Tensor? key_norm=None, float head_eps=0.0) -> Tensor[]",
           attention_inputs);
     m.def("mlp(Tensor hidden, Tensor attended, Tensor norm_weight, float eps, Tensor[] weights, Tensor[] scales, "
-          "Tensor?[] biases, int[] outputs, int format) -> Tensor", mlp);
+          "Tensor?[] biases, int[] outputs, int[] formats) -> Tensor", mlp);
     m.def("register_layers(Tensor[] norms, float[] epsilons, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
-          "int[] outputs, int format, int head_dim, float scaling, Tensor[] head_norms, "
+          "int[] outputs, int[] formats, int head_dim, float scaling, Tensor[] head_norms, "
           "float[] head_epsilons) -> int", register_layers);
     m.def("run_layers(int model, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor tables, "
           "Tensor row_sequences, Tensor positions) -> Tensor", run_layers);
