@@ -40,7 +40,7 @@ def load_prepared_model(model_dir: Path, dtype: str):
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, DTYPES[dtype])
     settings = Settings()
-    prepared = prepare_model(model, dtype, model_dir, Path(settings.converted_weights_dir), Path(settings.kernels_dir),
+    prepared = prepare_model(model, tokenizer, dtype, model_dir, Path(settings.converted_weights_dir), Path(settings.kernels_dir),
                              model_fingerprint(model_dir, tokenizer, Path(settings.converted_weights_dir)),
                              kernel_path=settings.kernel_path)
     return model, tokenizer, prepared

@@ -196,7 +196,7 @@ class Engine:
         # Counted before quantizing turns the Linear weights into buffers, which parameters() skips.
         parameters = sum(p.numel() for p in self.model.parameters())
         files_fingerprint = model_fingerprint(self.model_dir, self.tokenizer, Path(self.settings.converted_weights_dir))
-        prepared = prepare_model(self.model, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
+        prepared = prepare_model(self.model, self.tokenizer, self.settings.dtype, self.model_dir, Path(self.settings.converted_weights_dir),
                                  Path(self.settings.kernels_dir), files_fingerprint, between_layers=self.cores.take,
                                  kernel_path=self.settings.kernel_path)
         weight_format = prepared.weight_format
@@ -205,8 +205,8 @@ class Engine:
                           converted_weights=prepared.converted_weights, forward=prepared.forward)
         if prepared.converted_weights is not None:
             log.info("%s weights mapped from %s", self.settings.dtype, prepared.converted_weights)
-        self.fingerprint = hashlib.sha256(
-            f"{files_fingerprint}:{weight_format}:sampler-{SAMPLER_VERSION}".encode()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(f"{files_fingerprint}:{weight_format}:{prepared.weights_digest}:"
+                                          f"sampler-{SAMPLER_VERSION}".encode()).hexdigest()[:16]
         limit = getattr(self.model.config, "max_position_embeddings", 0) or 32768
         self.context_length = min(limit, self.settings.max_model_len or limit)
         self.facts.update(

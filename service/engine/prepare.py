@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
-from .converted import apply_quantized
+from .converted import DIGEST, apply_quantized, stored_metadata
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS
 from .qwen2 import LeanModel
 
@@ -21,9 +21,11 @@ class PreparedModel:
     kernel_paths: str | None = None
     quantization: str | None = None
     converted_weights: str | None = None
+    # The converted weights' digest (converted.py), which the engine's fingerprint includes.
+    weights_digest: str = ""
 
 
-def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str,
+def prepare_model(model, tokenizer, dtype: str, model_dir: Path, converted_dir: Path, kernels_dir: Path, fingerprint: str,
                   between_layers: Callable[[], object] | None = None, kernel_path: str = "best") -> PreparedModel:
     """Ready a loaded model for its DTYPE; return what was decided, `weight_format` among it.
 
@@ -41,16 +43,18 @@ def prepare_model(model, dtype: str, model_dir: Path, converted_dir: Path, kerne
         return PreparedModel(weight_format=dtype, forward="transformers")
     kernel_paths = ",".join(kernels.use_path(kernel_path))
     quantization = converted_weights = None
+    weights_digest = ""
     fmt = FORMATS.get(dtype)
     if fmt is not None:
-        converted_weights = str(apply_quantized(model, fmt, model_dir, converted_dir, fingerprint))
+        converted = apply_quantized(model, tokenizer, fmt, model_dir, converted_dir, fingerprint)
+        converted_weights, weights_digest = str(converted), stored_metadata(converted)[DIGEST]
         quantization = f"{fmt.description}, {ACTIVATIONS}"
     lean = qwen2.lean_model(model, between_layers)
     if lean is None:
         call_between_layers(model, between_layers)
     return PreparedModel(weight_format=f"{dtype}:v{FORMAT_VERSION}", forward="lean" if lean else "transformers",
                          lean=lean, kernel_paths=kernel_paths, quantization=quantization,
-                         converted_weights=converted_weights)
+                         converted_weights=converted_weights, weights_digest=weights_digest)
 
 
 def call_between_layers(model, between_layers: Callable[[], object] | None) -> None:

@@ -2,7 +2,9 @@
 corechat's kernels, and the Linear that multiplies by it (converted.py writes them into one file).
 
 Every Linear of the decoder layers and the output layer is stored quantized; the rest (embedding,
-norms, biases) stays bfloat16.
+norms, biases) stays bfloat16. The 4-bit formats keep the output layer and each layer's value
+product in int8 (converted.py: format_of), and round the rest by GPTQ on a calibration text
+(gptq.py), into the same layout.
   int8: groups of 32 weights of a row, one float16 scale each (symmetric, -127..127), as llama.cpp's
         q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
@@ -20,13 +22,16 @@ token's result depends neither on the other rows of its batch nor on how its pro
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
+from . import gptq
+
 # Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
 # changes, so a file written by another version is never read as this one's.
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -203,11 +208,54 @@ def int4_steps(groups: torch.Tensor, extreme: torch.Tensor, extreme_level: int) 
     """Round groups [rows, blocks, 32] to -8..7 steps of the float16 scale that puts each group's extreme
     weight at `extreme_level`; return the scales, the levels and each group's squared error."""
     scales = (extreme / extreme_level).to(torch.float16)
-    stored_scales = scales.float()
-    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-    levels = torch.round(groups / safe[:, :, None]).clamp(-8, 7)
-    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
-    return scales, levels, (levels * stored_scales[:, :, None] - groups).square().sum(dim=2)
+    levels = levels_on(groups, scales.float(), torch.zeros_like(scales, dtype=torch.float32), *INT4_LEVELS)
+    return scales, levels, (levels * scales.float()[:, :, None] - groups).square().sum(dim=2)
+
+
+def levels_on(groups: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """Round groups [rows, blocks, 32] to the nearest of low..high steps of each group's scale above its
+    minimum (level 0 where the scale is 0: the group is its minimum); any float dtype, kept."""
+    safe = torch.where(scales != 0, scales, torch.ones_like(scales))
+    levels = torch.round((groups - minimums[:, :, None]) / safe[:, :, None]).clamp(low, high)
+    return torch.where(scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+
+
+def int4_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return int4's float16 scales for groups [rows, blocks, 32] (minimums all 0).
+
+    The group's largest-magnitude weight maps exactly to -8 (as llama.cpp's q4_0 maps it) or to 7,
+    whichever leaves the group the smaller squared error: either keeps that weight exact, and the
+    other step sometimes fits the rest of the group better.
+    """
+    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    (scales, _, error), (other_scales, _, other_error) = (
+        int4_steps(groups, extreme, extreme_level) for extreme_level in (-8, 7))
+    scales = torch.where(other_error < error, other_scales, scales)
+    return scales, torch.zeros_like(scales)
+
+
+def int4m_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return int4m's float16 scales and minimums for groups [rows, blocks, 32], as llama.cpp's q4_1
+    sets them: the minimum is the group's smallest weight and the scale a fifteenth of its range, so
+    both extremes sit on the grid."""
+    smallest, largest = groups.amin(dim=2), groups.amax(dim=2)
+    return ((largest - smallest) / 15).to(torch.float16), smallest.to(torch.float16)
+
+
+INT4_LEVELS, INT4M_LEVELS = (-8, 7), (0, 15)
+
+
+def round_4bit(weight: torch.Tensor, grid, low: int, high: int,
+               moments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round a matrix per group of 32 on `grid`'s float16 scales and minimums; return them and the
+    levels [rows, inputs]. Without `moments` each weight goes to its nearest level; with the inputs'
+    second moments (gptq.py) the rounding minds the products instead."""
+    if moments is not None:
+        return gptq.rounded(weight, moments, grid, partial(levels_on, low=low, high=high))
+    groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+    scales, minimums = grid(groups)
+    levels = levels_on(groups, scales.float(), minimums.float(), low, high)
+    return scales, minimums, levels.reshape(weight.shape)
 
 
 def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
@@ -229,45 +277,28 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float()
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix per group of 32 to -8..7 times a float16 scale, packed as the kernel reads it.
-
-    The group's largest-magnitude weight maps exactly to -8 (as llama.cpp's q4_0 maps it) or to 7,
-    whichever leaves the group the smaller squared error: either keeps that weight exact, and the
-    other step sometimes fits the rest of the group better. The rounding uses the float16 scale that
-    is stored. Each block of a tile holds its 16 rows' groups of 4 inputs side by side, group p's in
-    the low nibbles and group p + 4's in the high ones; the scales lie [tiles, blocks, 16 rows].
+def quantize_int4(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix per group of 32 to -8..7 times a float16 scale (int4_grid), packed as the
+    kernel reads it. The rounding uses the float16 scale that is stored. Each block of a tile holds its
+    16 rows' groups of 4 inputs side by side, group p's in the low nibbles and group p + 4's in the high
+    ones; the scales lie [tiles, blocks, 16 rows].
     """
     outputs, inputs = weight.shape
     check_width(INT4, inputs)
-    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
-    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    (scales, levels, error), (other_scales, other_levels, other_error) = (
-        int4_steps(groups, extreme, extreme_level) for extreme_level in (-8, 7))
-    better = other_error < error
-    scales = torch.where(better, other_scales, scales)
-    levels = torch.where(better[:, :, None], other_levels, levels)
-    nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT4_OFFSET)
+    scales, _, levels = round_4bit(weight, int4_grid, *INT4_LEVELS, moments)
+    nibbles = pad_rows((levels + INT4_OFFSET).to(torch.uint8), fill=INT4_OFFSET)
     return pack_nibbles(nibbles), tile_scales(scales)
 
 
-def quantize_int4m(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a matrix per group of 32 to 0..15 steps of a float16 scale above a float16 minimum, as
-    llama.cpp's q4_1 does: the minimum is the group's smallest weight and the scale a fifteenth of its
-    range, so both extremes sit on the grid; the rounding uses the float16 values that are stored.
+def quantize_int4m(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix per group of 32 to 0..15 steps of a float16 scale above a float16 minimum
+    (int4m_grid), as llama.cpp's q4_1 does; the rounding uses the float16 values that are stored.
     Packed as int4's nibbles; the scales and minimums lie [tiles, blocks, 2, 16 rows].
     """
     outputs, inputs = weight.shape
     check_width(INT4M, inputs)
-    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
-    smallest, largest = groups.amin(dim=2), groups.amax(dim=2)
-    minimums = smallest.to(torch.float16)
-    scales = ((largest - smallest) / 15).to(torch.float16)
-    stored_scales = scales.float()
-    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-    levels = torch.round((groups - minimums.float()[:, :, None]) / safe[:, :, None]).clamp(0, 15)
-    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
-    nibbles = pad_rows(levels.to(torch.uint8).reshape(outputs, inputs))
+    scales, minimums, levels = round_4bit(weight, int4m_grid, *INT4M_LEVELS, moments)
+    nibbles = pad_rows(levels.to(torch.uint8))
     return pack_nibbles(nibbles), tile_scales_and_minimums(scales, minimums)
 
 

@@ -9,8 +9,14 @@ import torch
 from safetensors.torch import save_file
 
 from service.engine import kernels, quantized
-from service.engine.converted import apply_quantized, conversion_metadata, converted_file_for, stored_metadata
-from service.engine.loading import load_model
+from service.engine.converted import (
+    apply_quantized,
+    conversion_metadata,
+    converted_file_for,
+    names_conversion,
+    stored_metadata,
+)
+from service.engine.loading import load_model, load_tokenizer
 from service.engine.quantized import INT8, LAYOUT, LayoutMismatch, check_layout, kernels_layout
 from service.settings import Settings
 
@@ -42,7 +48,7 @@ def test_a_converter_whose_layout_differs_from_the_kernels_converts_nothing(monk
     monkeypatch.setattr(quantized, "LAYOUT", {**LAYOUT, "interleave": 8})
     model = load_model(model_dir, torch.bfloat16)
     with pytest.raises(LayoutMismatch, match="interleave"):
-        apply_quantized(model, INT8, model_dir, tmp_path / "converted", FINGERPRINT)
+        apply_quantized(model, load_tokenizer(model_dir), INT8, model_dir, tmp_path / "converted", FINGERPRINT)
     assert not list(model_dir.glob("corechat-*"))
 
 
@@ -54,21 +60,23 @@ def test_a_converted_files_name_carries_the_kernels_layout(model_dir, tmp_path):
     assert name.endswith(f"-{FINGERPRINT}.safetensors")
 
 
-@pytest.mark.parametrize("stale", ["older-version", "another-model", "another-layout", "no-metadata", "truncated"])
+@pytest.mark.parametrize("stale", ["older-version", "another-model", "another-layout", "no-digest", "no-metadata",
+                                   "truncated"])
 def test_a_stale_or_foreign_converted_file_is_converted_again_not_read(model_dir, tmp_path, stale):
-    """A file at the converted file's name that another version, model or layout wrote (or a truncated
-    one) is replaced by a fresh conversion, which the model then reads."""
+    """A file at the converted file's name that another version, model or layout wrote (or one without
+    its tensors' digest, or a truncated one) is replaced by a fresh conversion, which the model then reads."""
     target = converted_file_for(INT8, model_dir, tmp_path / "converted", FINGERPRINT)
     expected = conversion_metadata(INT8, FINGERPRINT)
     wrong = {"older-version": {**expected, "version": "2"}, "another-model": {**expected, "fingerprint": "f" * 16},
-             "another-layout": {**expected, "layout": "i8u32g32"}, "no-metadata": None}
+             "another-layout": {**expected, "layout": "i8u32g32"}, "no-digest": expected, "no-metadata": None}
     if stale == "truncated":
         target.write_bytes(b"\x08\x00\x00")
     else:
         save_file({"lm_head.weight.qweight": torch.zeros(4, 32, dtype=torch.int8)}, str(target), metadata=wrong[stale])
     model = load_model(model_dir, torch.bfloat16)
-    assert apply_quantized(model, INT8, model_dir, tmp_path / "converted", FINGERPRINT) == target
-    assert stored_metadata(target) == expected
+    tokenizer = load_tokenizer(model_dir)
+    assert apply_quantized(model, tokenizer, INT8, model_dir, tmp_path / "converted", FINGERPRINT) == target
+    assert names_conversion(stored_metadata(target), INT8, FINGERPRINT)
     assert model.lm_head.qweight.shape[0] == model.config.vocab_size
 
 
@@ -81,7 +89,7 @@ def test_a_conversion_that_died_leaves_no_temporary_behind(model_dir, tmp_path):
     for temporary in [*dead_writers, other_model]:
         temporary.write_bytes(b"half a conversion")
     model = load_model(model_dir, torch.bfloat16)
-    apply_quantized(model, INT8, model_dir, tmp_path / "converted", FINGERPRINT)
+    apply_quantized(model, load_tokenizer(model_dir), INT8, model_dir, tmp_path / "converted", FINGERPRINT)
     assert not any(temporary.exists() for temporary in dead_writers)
     assert other_model.exists()
     assert sorted(path.name for path in model_dir.glob(".*.tmp")) == [other_model.name]
