@@ -110,10 +110,10 @@ def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, 
     return converted_dir / beside.name
 
 
-def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, fingerprint: str) -> None:
+def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, fingerprint: str) -> str:
     """Write the quantized weights and scales of every Linear (the output layer included, in int8) to one
-    file; the 4-bit formats' layers are rounded by GPTQ on the calibration text (gptq.py), where the
-    model's decoder layers can be found."""
+    file, and return their digest; the 4-bit formats' layers are rounded by GPTQ on the calibration text
+    (gptq.py), where the model's decoder layers can be found."""
     state = {}
     for path in safetensors_files(model_dir):
         state.update(map_safetensors(path))
@@ -140,18 +140,21 @@ def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, 
     for weight_name in quantized_weight_names(model).values():
         if weight_name + WEIGHT_SUFFIX not in tensors:
             quantize(weight_name)
+    digest = tensors_digest(tensors)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(temporary),
-                  metadata={**conversion_metadata(fmt, fingerprint), DIGEST: tensors_digest(tensors)})
+        save_file(tensors, str(temporary), metadata={**conversion_metadata(fmt, fingerprint), DIGEST: digest})
         os.chmod(temporary, 0o644)
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
+    return digest
 
 
-def apply_quantized(model, tokenizer, fmt: WeightFormat, model_dir: Path, converted_dir: Path, fingerprint: str) -> Path:
-    """Swap every Linear of a loaded bf16 model for a QuantizedLinear over the mapped converted file (kernels loaded)."""
+def apply_quantized(model, tokenizer, fmt: WeightFormat, model_dir: Path, converted_dir: Path,
+                    fingerprint: str) -> tuple[Path, str]:
+    """Swap every Linear of a loaded bf16 model for a QuantizedLinear over the mapped converted file
+    (kernels loaded); return the file and its tensors' digest."""
     check_layout()
     target = converted_file_for(fmt, model_dir, converted_dir, fingerprint)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -166,13 +169,15 @@ def apply_quantized(model, tokenizer, fmt: WeightFormat, model_dir: Path, conver
             log.warning("removing %s, left by a conversion that did not finish", leftover)
             leftover.unlink(missing_ok=True)
         found = stored_metadata(target)
-        if not names_conversion(found, fmt, fingerprint):
+        if names_conversion(found, fmt, fingerprint):
+            digest = found[DIGEST]
+        else:
             if target.exists():
                 # Another version's, another model's, or a truncated file: read as this one, it would be garbage.
                 log.warning("%s holds no conversion of this model by this corechat (metadata %s); converting again",
                             target, found)
             log.info("converting the weights to %s once, into %s", fmt.name, target)
-            convert(fmt, model_dir, model, tokenizer, target, fingerprint)
+            digest = convert(fmt, model_dir, model, tokenizer, target, fingerprint)
     tensors = map_safetensors(target)
     for module_name, weight_name in quantized_weight_names(model).items():
         parent_name, _, child = module_name.rpartition(".")
@@ -183,4 +188,4 @@ def apply_quantized(model, tokenizer, fmt: WeightFormat, model_dir: Path, conver
         setattr(parent, child, QuantizedLinear(tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX],
                                                bias, format_of(fmt, weight_name), old.out_features,
                                                float32_output=module_name == "lm_head"))
-    return target
+    return target, digest

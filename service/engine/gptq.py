@@ -16,9 +16,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-GROUP = 32
-# Columns rounded together before the rest are updated at once (a multiple of GROUP, so no group spans two).
-BLOCK = 32
 # Added to H's diagonal, as a fraction of its mean. Some is needed: inputs the calibration text never
 # varies would leave H singular. More than GPTQ's usual 0.01 because the calibration text is short (a
 # few thousand tokens): off the grid, int4m's KL divergence was 0.189, 0.160, 0.140, 0.129 and 0.142
@@ -26,12 +23,13 @@ BLOCK = 32
 DAMPING = 1.0
 
 
-def rounded(weight: torch.Tensor, moments: torch.Tensor, grid: Callable,
+def rounded(weight: torch.Tensor, moments: torch.Tensor, group: int, grid: Callable,
             levels_on: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round `weight` [rows, inputs] on the format's grid: `grid` gives groups [rows, 1, 32] their float16
-    scales and minimums [rows, 1], `levels_on(groups, scales, minimums)` the levels they round to. Return
-    the scales and minimums [rows, blocks] and the levels [rows, inputs]. `moments` is the inputs'
-    [inputs, inputs] sum of x x^T."""
+    """Round `weight` [rows, inputs] on the format's grid of groups of `group` inputs: `grid` gives
+    groups [rows, 1, group] their float16 scales and minimums [rows, 1], `levels_on(groups, scales,
+    minimums)` the levels they round to. Return the scales and minimums [rows, blocks] and the levels
+    [rows, inputs]. `moments` is the inputs' [inputs, inputs] sum of x x^T. A group's columns are
+    rounded together, then the later columns take their errors at once."""
     rows, inputs = weight.shape
     # Transposed, so that a column is one contiguous run.
     work = weight.float().T.contiguous()
@@ -41,20 +39,18 @@ def rounded(weight: torch.Tensor, moments: torch.Tensor, grid: Callable,
     hessian.diagonal().add_(DAMPING * hessian.diagonal().mean())
     # The upper Cholesky factor of H's inverse: row i holds how column i's error spreads to the later columns.
     spread = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
-    scales = torch.empty(inputs // GROUP, rows, dtype=torch.float16)
+    scales = torch.empty(inputs // group, rows, dtype=torch.float16)
     minimums = torch.empty_like(scales)
     levels = torch.empty(inputs, rows)
-    for start in range(0, inputs, BLOCK):
-        stop = min(start + BLOCK, inputs)
+    for block, start in enumerate(range(0, inputs, group)):
+        stop = start + group
         part = work[start:stop]
         errors = torch.empty_like(part)
         local = spread[start:stop, start:stop]
-        for column in range(stop - start):
-            if column % GROUP == 0:
-                group = (start + column) // GROUP
-                group_scales, group_minimums = grid(part[column:column + GROUP].T[:, None, :])
-                scales[group], minimums[group] = group_scales[:, 0], group_minimums[:, 0]
-                scale, minimum = group_scales[:, 0].float(), group_minimums[:, 0].float()
+        block_scales, block_minimums = grid(part.T[:, None, :])
+        scales[block], minimums[block] = block_scales[:, 0], block_minimums[:, 0]
+        scale, minimum = block_scales[:, 0].float(), block_minimums[:, 0].float()
+        for column in range(group):
             level = levels_on(part[column][:, None, None], scale[:, None], minimum[:, None])[:, 0, 0]
             levels[start + column] = level
             error = (part[column] - (level * scale + minimum)) / local[column, column]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, qwen2
-from .converted import DIGEST, apply_quantized, stored_metadata
+from .converted import apply_quantized
 from .quantized import ACTIVATIONS, FORMAT_VERSION, FORMATS
 from .qwen2 import LeanModel
 
@@ -46,8 +46,8 @@ def prepare_model(model, tokenizer, dtype: str, model_dir: Path, converted_dir: 
     weights_digest = ""
     fmt = FORMATS.get(dtype)
     if fmt is not None:
-        converted = apply_quantized(model, tokenizer, fmt, model_dir, converted_dir, fingerprint)
-        converted_weights, weights_digest = str(converted), stored_metadata(converted)[DIGEST]
+        converted, weights_digest = apply_quantized(model, tokenizer, fmt, model_dir, converted_dir, fingerprint)
+        converted_weights = str(converted)
         quantization = f"{fmt.description}, {ACTIVATIONS}"
     lean = qwen2.lean_model(model, between_layers)
     if lean is None:

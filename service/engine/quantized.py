@@ -40,6 +40,8 @@ TILE_OUTPUTS = 16
 GROUP_INPUTS = 4
 INT8_OFFSET = 128
 INT4_OFFSET = 8
+# The levels each 4-bit format rounds to (int4's stored + INT4_OFFSET).
+INT4_LEVELS, INT4M_LEVELS = (-8, 7), (0, 15)
 LAYOUT_TOKEN = f"t{TILE_OUTPUTS}k{GROUP_INPUTS}g{GROUP}"
 
 
@@ -242,16 +244,13 @@ def int4m_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ((largest - smallest) / 15).to(torch.float16), smallest.to(torch.float16)
 
 
-INT4_LEVELS, INT4M_LEVELS = (-8, 7), (0, 15)
-
-
 def round_4bit(weight: torch.Tensor, grid, low: int, high: int,
                moments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round a matrix per group of 32 on `grid`'s float16 scales and minimums; return them and the
     levels [rows, inputs]. Without `moments` each weight goes to its nearest level; with the inputs'
     second moments (gptq.py) the rounding minds the products instead."""
     if moments is not None:
-        return gptq.rounded(weight, moments, grid, partial(levels_on, low=low, high=high))
+        return gptq.rounded(weight, moments, GROUP, grid, partial(levels_on, low=low, high=high))
     groups = weight.float().reshape(weight.shape[0], -1, GROUP)
     scales, minimums = grid(groups)
     levels = levels_on(groups, scales.float(), minimums.float(), low, high)

@@ -137,8 +137,9 @@ def test_a_4bit_conversion_rounds_by_gptq_keeps_values_int8_and_names_its_digest
     kernels.load(Path(Settings().kernels_dir))
     model = load_model(model_dir, torch.bfloat16)
     names = quantized_weight_names(model)
-    target = apply_quantized(model, load_tokenizer(model_dir), fmt, model_dir, tmp_path / "converted", FINGERPRINT)
-    assert len(stored_metadata(target)[DIGEST]) == 16
+    target, digest = apply_quantized(model, load_tokenizer(model_dir), fmt, model_dir, tmp_path / "converted",
+                                     FINGERPRINT)
+    assert stored_metadata(target)[DIGEST] == digest and len(digest) == 16
     source = load_model(model_dir, torch.bfloat16).state_dict()
     differs = 0
     with safe_open(target, "pt") as file:

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from service.engine import kernels, quantized
 from service.engine.converted import (
+    DIGEST,
     apply_quantized,
     conversion_metadata,
     converted_file_for,
@@ -75,8 +76,10 @@ def test_a_stale_or_foreign_converted_file_is_converted_again_not_read(model_dir
         save_file({"lm_head.weight.qweight": torch.zeros(4, 32, dtype=torch.int8)}, str(target), metadata=wrong[stale])
     model = load_model(model_dir, torch.bfloat16)
     tokenizer = load_tokenizer(model_dir)
-    assert apply_quantized(model, tokenizer, INT8, model_dir, tmp_path / "converted", FINGERPRINT) == target
+    converted, digest = apply_quantized(model, tokenizer, INT8, model_dir, tmp_path / "converted", FINGERPRINT)
+    assert converted == target
     assert names_conversion(stored_metadata(target), INT8, FINGERPRINT)
+    assert stored_metadata(target)[DIGEST] == digest
     assert model.lm_head.qweight.shape[0] == model.config.vocab_size
 
 

@@ -155,20 +155,18 @@ struct Products {
     // share a format (every block but the 4-bit formats' query, key and value) is one rounding and one call.
     template <typename InputFor>
     std::vector<at::Tensor> apply(std::initializer_list<size_t> indices, const InputFor& input_for) const {
-        const std::vector<size_t> order(indices);
-        std::vector<at::Tensor> results(order.size());
-        std::vector<bool> done(order.size(), false);
-        for (size_t first = 0; first < order.size(); ++first) {
-            if (done[first]) continue;
+        const size_t* order = indices.begin();
+        std::vector<at::Tensor> results(indices.size());
+        for (size_t first = 0; first < indices.size(); ++first) {
+            if (results[first].defined()) continue;  // computed with an earlier product of its format
             const int64_t format = formats[order[first]];
             std::vector<ProductSpec> specs;
             std::vector<size_t> slots;
-            for (size_t at = first; at < order.size(); ++at) {
+            for (size_t at = first; at < indices.size(); ++at) {
                 const size_t index = order[at];
-                if (done[at] || formats[index] != format) continue;
+                if (formats[index] != format) continue;
                 specs.push_back(ProductSpec{weights[index], scales[index], biases.get(index), format, outputs[index], false});
                 slots.push_back(at);
-                done[at] = true;
             }
             std::vector<at::Tensor> group = products(input_for(format), specs, 0);
             for (size_t k = 0; k < slots.size(); ++k) results[slots[k]] = std::move(group[k]);
@@ -230,8 +228,8 @@ at::Tensor mlp(const at::Tensor& hidden, const at::Tensor& attended, const at::T
     // hidden + o: the operands swapped, which a sum does not notice, to write into the new tensor.
     add_into(sum, hidden);
     // Rounded once for gate and up.
-    // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
     std::vector<at::Tensor> gate_up = products.apply({1, 2}, rms_norm(sum, norm_weight, eps));
+    // torch's own SiLU, so the activation is F.silu's bits whatever its exp does.
     at::Tensor activation = at::silu(gate_up[0]);
     activation.mul_(gate_up[1]);
     at::Tensor down = products.apply({3}, activation)[0];
