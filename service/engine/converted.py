@@ -5,7 +5,7 @@ The file is memory-mapped like the model's own, so every worker reads the same p
 it holds exactly the layout the kernels read (quantized.py): nothing is repacked per worker. Its name
 and metadata carry the format, its version, the layout and the model's fingerprint, so a file of any
 other is converted again, never read; the metadata also holds a digest of its tensors. The 4-bit
-formats run the model once over the calibration text while converting (gptq.py): about 1.5 minutes
+formats run the model once over the calibration text while converting (gptq.py): 2-2.5 minutes
 for Qwen2.5-0.5B on 2 cores, once.
 """
 

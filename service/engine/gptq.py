@@ -4,11 +4,12 @@ Rounding each weight to its nearest level (as llama.cpp's q4_0 and q4_1 do) leav
 falls. GPTQ rounds a matrix one input column at a time and moves the columns not yet rounded to absorb
 each column's error, as far as the inputs the matrix meets let them: H = sum of x x^T over a calibration
 text's tokens (the calibration package) says how the inputs go together. Each group's scale and
-minimum are set by the format's own rule from its weights as they stand when the group's first column
-is reached, so the stored format and the kernels that read it do not change, and a weight already on
-the format's grid stays where it is. On SmolLM2 moved off its grid, GPTQ alone takes int4m's KL
-divergence from float32 from 0.339 to 0.294, and with the value products in int8 (converted.py) to
-0.130 (docs/benchmark.md).
+minimum are chosen first, by the format's own search (quantized.py: int4_grid, int4m_grid) weighing
+each input by H's diagonal, so the stored format and the kernels that read it do not change, and a
+group already on a grid that reaches its ends stays there. On SmolLM2 moved off its grid
+(bench/quality.py --off-grid, docs/benchmark.md), int4m's KL divergence from float32 goes from 0.339
+(q4_1's nearest rounding) to 0.079 with the value products in int8 (converted.py); the grid search
+and the rounding order below took it from 0.130 to there.
 """
 
 from collections.abc import Callable
@@ -18,46 +19,53 @@ from torch import nn
 
 # Added to H's diagonal, as a fraction of its mean. Some is needed: inputs the calibration text never
 # varies would leave H singular. More than GPTQ's usual 0.01 because the calibration text is short (a
-# few thousand tokens): off the grid, int4m's KL divergence was 0.189, 0.160, 0.140, 0.129 and 0.142
-# at 0.001, 0.01, 0.1, 1 and 3 (bench/quality.py --off-grid).
+# few thousand tokens): off the grid, int4m's KL divergence on the float32 forward was 0.093, 0.076,
+# 0.075 and 0.076 at 0.1, 0.3, 1 and 3.
 DAMPING = 1.0
 
 
 def rounded(weight: torch.Tensor, moments: torch.Tensor, group: int, grid: Callable,
             levels_on: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round `weight` [rows, inputs] on the format's grid of groups of `group` inputs: `grid` gives
-    groups [rows, 1, group] their float16 scales and minimums [rows, 1], `levels_on(groups, scales,
-    minimums)` the levels they round to. Return the scales and minimums [rows, blocks] and the levels
-    [rows, inputs]. `moments` is the inputs' [inputs, inputs] sum of x x^T. A group's columns are
-    rounded together, then the later columns take their errors at once."""
+    """Round `weight` [rows, inputs] on the format's grid of groups of `group` inputs: `grid(groups
+    [rows, blocks, group], importance [blocks, group])` gives their float16 scales and minimums [rows,
+    blocks], `levels_on(groups, scales, minimums)` the levels they round to. Return the scales and
+    minimums [rows, blocks] and the levels [rows, inputs]. `moments` is the inputs' [inputs, inputs]
+    sum of x x^T.
+
+    Each group's grid is chosen first, from the weights as given, weighing each input by its mean
+    square (H's diagonal). The columns are then rounded in order of that diagonal, largest first (GPTQ's
+    "act order"): the inputs that weigh most are rounded while the most columns remain to absorb their
+    errors. They go `group` columns at a time: a batch's columns are rounded together, then the later
+    columns take the batch's errors at once."""
     rows, inputs = weight.shape
-    # Transposed, so that a column is one contiguous run.
-    work = weight.float().T.contiguous()
     hessian = moments.float().clone()
     unseen = hessian.diagonal() == 0
     hessian[unseen, unseen] = 1.0
+    importance = hessian.diagonal().clone()
+    scales, minimums = grid(weight.float().reshape(rows, -1, group), importance.reshape(-1, group))
     hessian.diagonal().add_(DAMPING * hessian.diagonal().mean())
+    order = torch.argsort(importance, descending=True, stable=True)
+    hessian = hessian[order][:, order]
     # The upper Cholesky factor of H's inverse: row i holds how column i's error spreads to the later columns.
     spread = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
-    scales = torch.empty(inputs // group, rows, dtype=torch.float16)
-    minimums = torch.empty_like(scales)
+    # Transposed and in rounding order, so that a column is one contiguous run; each column's grid beside it.
+    work = weight.float().T[order].contiguous()
+    column_scales, column_minimums = (part.float().T[order // group] for part in (scales, minimums))
     levels = torch.empty(inputs, rows)
-    for block, start in enumerate(range(0, inputs, group)):
-        stop = start + group
+    for start in range(0, inputs, group):
+        stop = min(start + group, inputs)
         part = work[start:stop]
         errors = torch.empty_like(part)
         local = spread[start:stop, start:stop]
-        block_scales, block_minimums = grid(part.T[:, None, :])
-        scales[block], minimums[block] = block_scales[:, 0], block_minimums[:, 0]
-        scale, minimum = block_scales[:, 0].float(), block_minimums[:, 0].float()
-        for column in range(group):
+        for column in range(stop - start):
+            scale, minimum = column_scales[start + column], column_minimums[start + column]
             level = levels_on(part[column][:, None, None], scale[:, None], minimum[:, None])[:, 0, 0]
-            levels[start + column] = level
+            levels[order[start + column]] = level
             error = (part[column] - (level * scale + minimum)) / local[column, column]
             part[column:] -= local[column, column:, None] * error[None]
             errors[column] = error
         work[stop:] -= spread[start:stop, stop:].T @ errors
-    return scales.T.contiguous(), minimums.T.contiguous(), levels.T.contiguous()
+    return scales, minimums, levels.T.contiguous()
 
 
 def layer_moments(model, windows: torch.Tensor, quantize_layer: Callable[[dict[str, torch.Tensor]], None]) -> bool:

@@ -31,7 +31,7 @@ from . import gptq
 
 # Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
 # changes, so a file written by another version is never read as this one's.
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -206,14 +206,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tile_int8(stored), tile_scales(scales)
 
 
-def int4_steps(groups: torch.Tensor, extreme: torch.Tensor, extreme_level: int) -> tuple[torch.Tensor, ...]:
-    """Round groups [rows, blocks, 32] to -8..7 steps of the float16 scale that puts each group's extreme
-    weight at `extreme_level`; return the scales, the levels and each group's squared error."""
-    scales = (extreme / extreme_level).to(torch.float16)
-    levels = levels_on(groups, scales.float(), torch.zeros_like(scales, dtype=torch.float32), *INT4_LEVELS)
-    return scales, levels, (levels * scales.float()[:, :, None] - groups).square().sum(dim=2)
-
-
 def levels_on(groups: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """Round groups [rows, blocks, 32] to the nearest of low..high steps of each group's scale above its
     minimum (level 0 where the scale is 0: the group is its minimum); any float dtype, kept."""
@@ -222,37 +214,117 @@ def levels_on(groups: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
     return torch.where(scales[:, :, None] != 0, levels, torch.zeros_like(levels))
 
 
-def int4_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# The grids a 4-bit group chooses among, besides its plain rule's: the steps that put the group's
+# extreme weights -1.0, -0.9, ..., +1.0 of a level inside the plain rule's ends, each scale (and minimum)
+# then refitted by least squares to the levels it rounds to, as llama.cpp chooses its k-quants' grids
+# (make_qx_quants, make_qkx2_quants).
+SEARCH_OFFSETS = [tenth / 10 for tenth in range(-10, 11)]
+
+
+def refitted(groups: torch.Tensor, importance: torch.Tensor, levels: torch.Tensor,
+             with_minimum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return the scales and minimums (0 without a minimum) [rows, blocks] that make `levels` fit the
+    groups best in the importance-weighted squared error, and where that fit is usable: finite, and a
+    scale that is not 0 (positive with a minimum; without one its sign is the extreme's, as q4_0's)."""
+    weighted = importance * levels
+    level_sum, level_squares = weighted.sum(dim=2), (weighted * levels).sum(dim=2)
+    cross = (weighted * groups).sum(dim=2)
+    if not with_minimum:
+        scales = cross / torch.where(level_squares > 0, level_squares, torch.ones_like(level_squares))
+        minimums = torch.zeros_like(scales)
+    else:
+        total, weight_sum = importance.sum(dim=2), (importance * groups).sum(dim=2)
+        determinant = level_squares * total - level_sum * level_sum
+        safe = torch.where(determinant > 0, determinant, torch.ones_like(determinant))
+        scales = (cross * total - level_sum * weight_sum) / safe
+        minimums = (level_squares * weight_sum - level_sum * cross) / safe
+    usable = ((scales > 0) if with_minimum else (scales != 0)) & torch.isfinite(minimums) & scales.half().isfinite()
+    return scales, minimums, usable
+
+
+def best_grid(groups: torch.Tensor, importance: torch.Tensor, candidates, low: int,
+              high: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return, per group, the float16 scale and minimum among `candidates` (pairs of [rows, blocks]
+    tensors, and where each is usable) whose nearest rounding leaves the smallest importance-weighted
+    squared error; the first candidate wins ties and holds where no other is usable."""
+    best = None
+    for scales, minimums, usable in candidates:
+        scales, minimums = scales.to(torch.float16), minimums.to(torch.float16)
+        levels = levels_on(groups, scales.float(), minimums.float(), low, high)
+        error = (importance * (levels * scales.float()[:, :, None] + minimums.float()[:, :, None] - groups).square()).sum(dim=2)
+        if best is None:
+            best = [error, scales, minimums]
+            continue
+        better = usable & (error < best[0])
+        best = [torch.where(better, error, best[0]), torch.where(better, scales, best[1]),
+                torch.where(better, minimums, best[2])]
+    return best[1], best[2]
+
+
+def int4_grid(groups: torch.Tensor, importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return int4's float16 scales for groups [rows, blocks, 32] (minimums all 0).
 
-    The group's largest-magnitude weight maps exactly to -8 (as llama.cpp's q4_0 maps it) or to 7,
-    whichever leaves the group the smaller squared error: either keeps that weight exact, and the
-    other step sometimes fits the rest of the group better.
+    Without `importance`, the plain rule: the group's largest-magnitude weight exactly at -8 (as
+    llama.cpp's q4_0 puts it, so the scale takes that weight's sign) or at 7, whichever leaves the
+    group the smaller squared error. With each input's importance [blocks, 32] (gptq.py: the mean
+    square of its inputs), that grid and SEARCH_OFFSETS' scales refitted are the candidates, and the
+    one with the smallest weighted error is kept.
     """
     extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    (scales, _, error), (other_scales, _, other_error) = (
-        int4_steps(groups, extreme, extreme_level) for extreme_level in (-8, 7))
-    scales = torch.where(other_error < error, other_scales, scales)
+    zeros = torch.zeros_like(extreme)
+    always = torch.ones_like(extreme, dtype=torch.bool)
+    ends = ((extreme / extreme_level, zeros, always) for extreme_level in (-8, 7))
+    plain, _ = best_grid(groups, torch.ones_like(groups), ends, *INT4_LEVELS)
+    if importance is None:
+        return plain, torch.zeros_like(plain)
+    weights = importance.expand_as(groups)
+
+    def candidates():
+        yield plain.float(), zeros, always
+        for offset in SEARCH_OFFSETS:
+            levels = levels_on(groups, extreme / -(8 + offset), zeros, *INT4_LEVELS)
+            yield refitted(groups, weights, levels, with_minimum=False)
+
+    scales, _ = best_grid(groups, weights, candidates(), *INT4_LEVELS)
     return scales, torch.zeros_like(scales)
 
 
-def int4m_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return int4m's float16 scales and minimums for groups [rows, blocks, 32], as llama.cpp's q4_1
-    sets them: the minimum is the group's smallest weight and the scale a fifteenth of its range, so
-    both extremes sit on the grid."""
+def int4m_grid(groups: torch.Tensor, importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return int4m's float16 scales and minimums for groups [rows, blocks, 32].
+
+    Without `importance`, llama.cpp's q4_1 rule: the minimum is the group's smallest weight and the
+    scale a fifteenth of its range, so both extremes sit on the grid. With each input's importance
+    [blocks, 32], that rule and SEARCH_OFFSETS' grids with scale and minimum refitted are the
+    candidates, and the one with the smallest weighted error is kept; a group already on a grid that
+    reaches both its ends keeps it exactly.
+    """
     smallest, largest = groups.amin(dim=2), groups.amax(dim=2)
-    return ((largest - smallest) / 15).to(torch.float16), smallest.to(torch.float16)
+    span = largest - smallest
+    if importance is None:
+        return (span / 15).to(torch.float16), smallest.to(torch.float16)
+    weights = importance.expand_as(groups)
+    always = torch.ones_like(span, dtype=torch.bool)
+
+    def candidates():
+        yield span / 15, smallest, always
+        for offset in SEARCH_OFFSETS:
+            levels = levels_on(groups, span / (15 + offset), smallest, *INT4M_LEVELS)
+            yield refitted(groups, weights, levels, with_minimum=True)
+
+    return best_grid(groups, weights, candidates(), *INT4M_LEVELS)
 
 
 def round_4bit(weight: torch.Tensor, grid, low: int, high: int,
                moments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round a matrix per group of 32 on `grid`'s float16 scales and minimums; return them and the
-    levels [rows, inputs]. Without `moments` each weight goes to its nearest level; with the inputs'
-    second moments (gptq.py) the rounding minds the products instead."""
+    levels [rows, inputs]. Without `moments`, the plain rule's grid and each weight's nearest level;
+    with the inputs' second moments (gptq.py), a grid searched with each input weighed by its mean
+    square, and a rounding that minds the products. (The search without the moments, plain or
+    weighted by the weights' magnitude, left the nearest rounding less faithful: docs/benchmark.md.)"""
     if moments is not None:
         return gptq.rounded(weight, moments, GROUP, grid, partial(levels_on, low=low, high=high))
     groups = weight.float().reshape(weight.shape[0], -1, GROUP)
-    scales, minimums = grid(groups)
+    scales, minimums = grid(groups, None)
     levels = levels_on(groups, scales.float(), minimums.float(), low, high)
     return scales, minimums, levels.reshape(weight.shape)
 
