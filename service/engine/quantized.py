@@ -227,13 +227,12 @@ def refitted(groups: torch.Tensor, importance: torch.Tensor, levels: torch.Tenso
     groups best in the importance-weighted squared error, and where that fit is usable: finite, and a
     scale that is not 0 (positive with a minimum; without one its sign is the extreme's, as q4_0's)."""
     weighted = importance * levels
-    level_sum, level_squares = weighted.sum(dim=2), (weighted * levels).sum(dim=2)
-    cross = (weighted * groups).sum(dim=2)
+    level_squares, cross = (weighted * levels).sum(dim=2), (weighted * groups).sum(dim=2)
     if not with_minimum:
         scales = cross / torch.where(level_squares > 0, level_squares, torch.ones_like(level_squares))
         minimums = torch.zeros_like(scales)
     else:
-        total, weight_sum = importance.sum(dim=2), (importance * groups).sum(dim=2)
+        level_sum, total, weight_sum = weighted.sum(dim=2), importance.sum(dim=2), (importance * groups).sum(dim=2)
         determinant = level_squares * total - level_sum * level_sum
         safe = torch.where(determinant > 0, determinant, torch.ones_like(determinant))
         scales = (cross * total - level_sum * weight_sum) / safe
