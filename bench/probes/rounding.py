@@ -112,13 +112,15 @@ VARIANTS = {
 
 def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], weights, output_weights,
                 activations: Callable[[torch.Tensor], torch.Tensor] | None, bfloat16_states: bool, originals: dict[str, torch.Tensor]) -> dict:
-    """Score one variant's forward against the float32 one; the model is restored after."""
+    """Score one variant's forward against the float32 one; the model is restored after. `weights` rounds a
+    decoder Linear's weight, or is a mapping of their names to the rounded weights."""
     hooks = []
     linears = {name: module for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and name.startswith("model.layers.")}
     with torch.no_grad():
         for name, module in linears.items():
-            module.weight.copy_(weights(originals[f"{name}.weight"]))
+            weight_name = f"{name}.weight"
+            module.weight.copy_(weights[weight_name] if isinstance(weights, dict) else weights(originals[weight_name]))
         output = output_weights(originals[OUTPUT_LAYER])
     if activations is not None:
         hooks += [module.register_forward_pre_hook(lambda module, inputs: (activations(inputs[0]),))
@@ -150,19 +152,12 @@ def run_variant(model, reference: list[torch.Tensor], windows: list[list[int]], 
             "perplexity": scores.perplexity}
 
 
-def main() -> None:
-    """Score every variant and save the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def scored_model(folder: Path):
+    """Load a model folder's float32 forward over bench/quality.py's windows; return the model, its
+    tokenizer, the windows, the float32 log-probabilities of their scored positions and a copy of the
+    weights (the output layer's under OUTPUT_LAYER where it is tied to the embedding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from devtools.smollm2 import gguf_path
-    from service.engine.gguf import converted_folder
-    from service.settings import Settings
-
-    folder = converted_folder(gguf_path(), Path(Settings().converted_weights_dir))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids, bos = text_tokens(tokenizer, read_text(TEXT))
     windows = windows_of(ids, WINDOW, bos)
@@ -173,16 +168,36 @@ def main() -> None:
     with torch.inference_mode():
         reference = [model(input_ids=torch.tensor([window])).logits[0, scored.start:scored.stop].log_softmax(-1)
                      for window in windows]
-    results = {"model": folder.name, "windows": len(windows), "scored_tokens": len(windows) * len(scored),
-               "variants": {name: run_variant(model, reference, windows, *variant, originals)
-                            for name, variant in VARIANTS.items()}}
+    return model, tokenizer, windows, reference, originals
+
+
+def save_variants(name: str, title: str, model_name: str, windows: list[list[int]], variants: dict[str, dict]) -> None:
+    """Write the variants' figures as a table to bench/results/<machine>/<name>.md and .json."""
+    scored_tokens = len(windows) * len(scored_positions(WINDOW))
     rows = ["| rounding | mean KLD | 99% KLD | top-1 same as float32 | perplexity |", "|---|---|---|---|---|"]
-    for name, figures in results["variants"].items():
-        rows.append(f"| {name} | {figures['kld_mean']:.5f} | {figures['kld_99']:.4f} | {figures['top1_same']:.2%} | "
+    for variant, figures in variants.items():
+        rows.append(f"| {variant} | {figures['kld_mean']:.5f} | {figures['kld_99']:.4f} | {figures['top1_same']:.2%} | "
                     f"{figures['perplexity']:.3f} |")
-    save_results("rounding", results, f"## Each rounding alone on SmolLM2-135M-Instruct's float32 forward "
-                 f"({len(windows)} windows of {WINDOW} tokens of {TEXT.name}, {results['scored_tokens']} scored)\n\n"
-                 + "\n".join(rows) + "\n")
+    results = {"model": model_name, "windows": len(windows), "scored_tokens": scored_tokens, "variants": variants}
+    save_results(name, results, f"## {title} ({len(windows)} windows of {WINDOW} tokens of {TEXT.name}, "
+                 f"{scored_tokens} scored)\n\n" + "\n".join(rows) + "\n")
+
+
+def main() -> None:
+    """Score every variant and save the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from devtools.smollm2 import gguf_path
+    from service.engine.gguf import converted_folder
+    from service.settings import Settings
+
+    folder = converted_folder(gguf_path(), Path(Settings().converted_weights_dir))
+    model, _, windows, reference, originals = scored_model(folder)
+    variants = {name: run_variant(model, reference, windows, *variant, originals) for name, variant in VARIANTS.items()}
+    save_variants("rounding", "Each rounding alone on SmolLM2-135M-Instruct's float32 forward", folder.name, windows,
+                  variants)
 
 
 if __name__ == "__main__":
