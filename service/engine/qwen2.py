@@ -101,14 +101,54 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
     return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
 
 
+class RotaryTable:
+    """The rotary embedding's cos and sin for positions [0, length), computed by the model's own rotary
+    module a chunk of positions at a time as longer sequences come, so that a forward looks its rows'
+    up with one index each instead of running the module's operators (a decode step's few
+    microseconds each, but on caches the step's weights just swept). Each element is its own product
+    of a position and a frequency, then its cos or sin, so a table row is the bits the module gives
+    that position in any call. Rotary types whose frequencies change with the sequence's length
+    (dynamic, longrope) are not tabled: the module runs every forward for them."""
+
+    CHUNK = 512
+
+    def __init__(self, rotary: torch.nn.Module, dtype: torch.dtype):
+        self.rotary = rotary
+        self.dtype = dtype
+        rope_type = getattr(rotary, "rope_type", "default")
+        self.tabled = "dynamic" not in rope_type and rope_type != "longrope"
+        self.cos = self.sin = None
+
+    def rows(self, hidden: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return cos and sin [rows, head_dim] of each row's position, contiguous (`last`: the largest
+        position, where the caller knows it)."""
+        if not self.tabled:
+            cos, sin = self.rotary(hidden, positions.unsqueeze(0))
+            return cos[0].contiguous(), sin[0].contiguous()
+        needed = (int(positions.max()) if last is None else last) + 1
+        if self.cos is None or needed > self.cos.shape[0]:
+            self._grow(needed)
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+    def _grow(self, needed: int) -> None:
+        """Extend the table to a whole number of chunks holding position needed - 1."""
+        have = 0 if self.cos is None else self.cos.shape[0]
+        length = -(-needed // self.CHUNK) * self.CHUNK
+        positions = torch.arange(have, length).unsqueeze(0)
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype), positions)
+        self.cos = cos[0] if self.cos is None else torch.cat([self.cos, cos[0]])
+        self.sin = sin[0] if self.sin is None else torch.cat([self.sin, sin[0]])
+
+
 @dataclass(frozen=True)
 class LeanModel:
     """A model the lean forward runs: the model, its fused layers if quantized (and their handle in
-    torch.ops.corechat.run_layers), and the hook that runs before a forward's layers."""
+    torch.ops.corechat.run_layers), the hook that runs before a forward's layers, and its rotary table."""
 
     model: torch.nn.Module
     fused: list[FusedLayer] | None
     between_layers: Callable[[], object] | None
+    rotary: RotaryTable
     registered: int | None = None
 
     @property
@@ -128,7 +168,8 @@ def lean_model(model, between_layers: Callable[[], object] | None = None) -> Lea
             or head_dim not in HEAD_DIMS or not hasattr(torch.ops.corechat, "paged_attention")):
         return None
     fused = fused_layers(model)
-    return LeanModel(model, fused, between_layers, register_layers(model, fused) if fused is not None else None)
+    return LeanModel(model, fused, between_layers, RotaryTable(model.model.rotary_emb, model.dtype),
+                     register_layers(model, fused) if fused is not None else None)
 
 
 def register_layers(model, fused: list[FusedLayer]) -> int:
@@ -161,6 +202,8 @@ class Rows:
     tables: torch.Tensor  # [sequences, pages] int64
     sequences: torch.Tensor  # [rows] int64
     positions: torch.Tensor  # [rows] int64
+    # The largest of positions, where the caller knows it without reading the tensor.
+    last: int | None = None
 
 
 def lean_forward(lean: LeanModel, token_ids: torch.Tensor, rows: Rows, pool: torch.Tensor, keep_last: int) -> torch.Tensor:
@@ -169,20 +212,19 @@ def lean_forward(lean: LeanModel, token_ids: torch.Tensor, rows: Rows, pool: tor
     model = lean.model
     inner = model.model
     hidden = F.embedding(token_ids, inner.embed_tokens.weight)
-    cos, sin = inner.rotary_emb(hidden, rows.positions.unsqueeze(0))
-    cos, sin = cos[0], sin[0]
-    layers = inner.layers[: model.config.num_hidden_layers]
+    cos, sin = lean.rotary.rows(hidden, rows.positions, rows.last)
     if lean.fused is not None:
         if lean.between_layers is not None:
             lean.between_layers()
-        hidden = torch.ops.corechat.run_layers(lean.registered, hidden, cos.contiguous(), sin.contiguous(), pool,
-                                               rows.tables, rows.sequences, rows.positions)
+        hidden = torch.ops.corechat.run_layers(lean.registered, hidden, cos, sin, pool, rows.tables, rows.sequences,
+                                               rows.positions)
         hidden = norm_rows(hidden, inner.norm)
     else:
-        hidden = decoder(hidden, cos, sin, layers, lean, rows, pool)
+        hidden = decoder(hidden, cos, sin, inner.layers[: model.config.num_hidden_layers], lean, rows, pool)
         hidden = rms_norm(hidden, inner.norm)
     kept = hidden[-keep_last:] if keep_last else hidden
-    return product(model.lm_head, kept).float()
+    logits = product(model.lm_head, kept)
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, layer: int, rows: Rows,

@@ -80,6 +80,7 @@ class PagedModel:
         # the tables they were built from (held, so that no other sequence's can take their place).
         self._batch: list[torch.Tensor] = []
         self._tables = torch.zeros((0, 0), dtype=torch.long)
+        self._sequences = torch.arange(0)
 
     def reserve(self, tokens: int) -> SequencePages:
         """Take the pages a sequence of at most `tokens` tokens fills."""
@@ -113,14 +114,15 @@ class PagedModel:
         """Run a prompt chunk as rows of its sequence, each at its position."""
         count = len(token_ids)
         rows = Rows(kv.table.unsqueeze(0), torch.zeros(count, dtype=torch.long),
-                    torch.arange(kv.length, kv.length + count))
+                    torch.arange(kv.length, kv.length + count), kv.length + count - 1)
         logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, keep_last)
         kv.length += count
         return logits
 
     def decode(self, kvs: list[SequencePages], token_ids: list[int]) -> torch.Tensor:
         """Run one token of each sequence as a row of one batch."""
-        rows = Rows(self._batch_tables(kvs), torch.arange(len(kvs)), torch.tensor([kv.length for kv in kvs]))
+        lengths = [kv.length for kv in kvs]
+        rows = Rows(self._batch_tables(kvs), self._row_sequences(len(kvs)), torch.tensor(lengths), max(lengths))
         logits = lean_forward(self.lean, torch.tensor(token_ids), rows, self.pool.storage, 0)
         for kv in kvs:
             kv.length += 1
@@ -132,7 +134,8 @@ class PagedModel:
         counts = [len(ids) for ids in inputs]
         sequences = torch.repeat_interleave(torch.arange(len(kvs)), torch.tensor(counts))
         positions = torch.cat([torch.arange(kv.length, kv.length + count) for kv, count in zip(kvs, counts, strict=True)])
-        rows = Rows(self._batch_tables(kvs), sequences, positions)
+        rows = Rows(self._batch_tables(kvs), sequences, positions,
+                    max(kv.length + count for kv, count in zip(kvs, counts, strict=True)) - 1)
         logits = lean_forward(self.lean, torch.tensor([token for ids in inputs for token in ids]), rows,
                               self.pool.storage, 0)
         for kv, count in zip(kvs, counts, strict=True):
@@ -143,6 +146,12 @@ class PagedModel:
         """Forget a sequence's KV state past `length` tokens: the next row written there replaces it, and no row
         attends past its own position."""
         kv.length = length
+
+    def _row_sequences(self, count: int) -> torch.Tensor:
+        """Return [0, count): row i of a decode step is sequence i of its batch (kept while the batch's size holds)."""
+        if self._sequences.shape[0] != count:
+            self._sequences = torch.arange(count)
+        return self._sequences
 
     def _batch_tables(self, kvs: list[SequencePages]) -> torch.Tensor:
         """Return the batch's page tables, [sequences, widest table], rebuilt only when its sequences changed."""

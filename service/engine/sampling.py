@@ -7,7 +7,7 @@ from dataclasses import InitVar, dataclass, field
 
 import torch
 
-from .draws import draw, largest, take_rows
+from .draws import draw, kernel_op, largest, take_rows
 
 # Below float32's smallest normal number a temperature no longer divides float32 logits safely (a
 # subnormal or zero divisor makes inf or NaN), and softmax(logits / T) is already one-hot there for
@@ -101,6 +101,7 @@ class Sampler:
     # without building a tensor from a list of a long conversation's thousands of ids.
     seen_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
     _seen: set[int] = field(init=False, default_factory=set, repr=False)
+    _seen_values: object = field(init=False, default=None, repr=False)
     # logit_bias as tensors, built once: the ids it moves and by how much.
     bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
     bias_values: torch.Tensor | None = field(init=False, default=None, repr=False)
@@ -119,6 +120,7 @@ class Sampler:
             ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
             self.seen_ids = torch.zeros(max(SEEN_CAPACITY, 2 * len(ids)), dtype=torch.long)
             self.seen_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+            self._seen_values = self.seen_ids.numpy()
             self._seen.update(ids)
 
     @property
@@ -142,7 +144,9 @@ class Sampler:
         if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
             if len(self._seen) == self.seen_ids.shape[0]:
                 self.seen_ids = torch.cat([self.seen_ids, torch.zeros_like(self.seen_ids)])
-            self.seen_ids[len(self._seen)] = token_id
+                self._seen_values = self.seen_ids.numpy()
+            # Through numpy's view of the tensor: an element written without a torch operator call.
+            self._seen_values[len(self._seen)] = token_id
             self._seen.add(token_id)
 
 
@@ -174,7 +178,7 @@ def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int
     tokens = [NO_TOKEN] * len(samplers)
     # A NaN anywhere in a row, or an infinite largest logit, makes the row's maximum non-finite;
     # argmax would return the NaN's index as if it were the likeliest token.
-    finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+    finite = kernel_op("finite_rows")(logits if logits.is_contiguous() else logits.contiguous())
     for row, sampler in enumerate(samplers):
         if not finite[row]:
             sampler.failure = NonFiniteLogits("the model's logits are not finite (NaN or infinite)")
@@ -194,13 +198,11 @@ def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor
     tensor where any apply), in the order vLLM applies them."""
     repeated = [row for row, sampler in enumerate(samplers) if sampler.seen_count]
     if repeated:
-        logits = logits.clone()
-        for row in repeated:
-            # Only the seen tokens change: a few hundred indexed values, not a pass over the vocabulary.
-            seen = samplers[row].seen_ids[: samplers[row].seen_count]
-            values = logits[row, seen]
-            penalty = samplers[row].params.repetition_penalty
-            logits[row, seen] = torch.where(values < 0, values * penalty, values / penalty)
+        # Only the seen tokens change: a few hundred values, in one operator (kernels/csrc/sampling.cpp).
+        logits = kernel_op("repetition_penalized")(
+            logits if logits.is_contiguous() else logits.contiguous(), [samplers[row].seen_ids for row in repeated],
+            [samplers[row].seen_count for row in repeated], repeated,
+            [samplers[row].params.repetition_penalty for row in repeated])
     rows = [row for row, sampler in enumerate(samplers) if sampler.output_counts is not None]
     if not rows:
         return logits

@@ -250,3 +250,60 @@ def test_prompt_token_logprobs_are_the_raw_distributions_of_the_next_tokens_with
         assert [token for token, _ in entry.top] == best.indices.tolist()
         assert [value for _, value in entry.top] == pytest.approx(best.values.tolist(), abs=1e-6)
     assert all(entry.top == () for entry in prompt_token_logprobs(logits, next_ids, top=0))
+
+
+FLOAT32 = torch.finfo(torch.float32)
+# Zeros, the smallest subnormal, the largest subnormal and the smallest normal, the bounds and next to them.
+BELOW_MAX = float(torch.nextafter(torch.tensor(FLOAT32.max), torch.tensor(0.0)))
+EXTREMES = [0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, -1.1754942e-38, FLOAT32.tiny, FLOAT32.max, -FLOAT32.max, BELOW_MAX,
+            float("inf"), float("-inf"), 1.0, -1.0]
+
+
+@pytest.mark.parametrize("penalty", [1.05, 2.0, 1.0000001, 7e-39, 3.0e38, 0.5, 1.0])
+def test_the_penalty_operator_gives_the_bits_of_transformers_rule_in_float32(penalty):
+    """The repetition penalty's one operator lowers each seen logit as torch's where(value < 0, value *
+    penalty, value / penalty) does in float32, bit for bit: zeros of both signs, subnormals, the float32
+    bounds and next to them, infinities; unseen logits and the caller's tensor stay as they were."""
+    vocab = 4096
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5)) * 1e3
+    logits[1, : len(EXTREMES)] = torch.tensor(EXTREMES)
+    others = torch.randperm(vocab - 64, generator=torch.Generator().manual_seed(6))[:200] + 64
+    seen = torch.cat([torch.arange(len(EXTREMES)), others])
+    before = logits.clone()
+    lowered = torch.ops.corechat.repetition_penalized(logits, [seen], [seen.numel()], [1], [penalty])
+    values = before[1, seen]
+    expected = before.clone()
+    expected[1, seen] = torch.where(values < 0, values * penalty, values / penalty)
+    assert torch.equal(lowered.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
+
+
+def test_the_penalty_operator_refuses_what_does_not_fit_its_logits():
+    logits = torch.zeros(2, 10)
+    ids = torch.tensor([1, 2])
+    penalize = torch.ops.corechat.repetition_penalized
+    for seen, counts, rows, message in (([ids], [2], [2], "not one of"), ([ids], [3], [0], "past the seen"),
+                                        ([torch.tensor([10])], [1], [0], "outside the vocabulary"),
+                                        ([ids.int()], [2], [0], "int64"), ([ids], [2, 1], [0], "one seen list")):
+        with pytest.raises(RuntimeError, match=message):
+            penalize(logits, seen, counts, rows, [1.5])
+    assert penalize(logits, [ids], [0], [0], [1.5]).equal(logits)  # no id counted: nothing moves
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 17, 151_936])
+def test_finite_rows_tells_what_torch_tells_of_each_rows_largest(width):
+    """finite_rows is torch.isfinite(logits.amax(-1)) for a NaN or an infinity at every place of the
+    vectorized loop (first, inside, the tail), every value -inf, and the float32 bounds."""
+    cases = []
+    for place in sorted({0, width // 2, width - 1}):
+        for value in (float("nan"), float("inf"), FLOAT32.max, -FLOAT32.max):
+            row = torch.randn(width, generator=torch.Generator().manual_seed(place))
+            row[place] = value
+            cases.append(row)
+    cases.append(torch.full((width,), float("-inf")))
+    last = torch.full((width,), float("-inf"))
+    last[-1] = -FLOAT32.max
+    cases.append(last)
+    logits = torch.stack(cases)
+    expected = [int(finite) for finite in torch.isfinite(logits.amax(-1)).tolist()]
+    assert torch.ops.corechat.finite_rows(logits) == expected
