@@ -37,17 +37,19 @@ class GunicornServer:
 
     Settings are keyword arguments (they become environment variables); the model defaults to the
     tiny test model, served as "tiny". `app` replaces wsgi.py's app with another, as `module:app`
-    importable from the repository (`tests.e2e.echo_app:app`). As a context manager it starts on
-    entry and stops on exit.
+    importable from the repository (`tests.e2e.echo_app:app`); `repo` is the checkout it runs. As a
+    context manager it starts on entry and stops on exit.
     """
 
-    def __init__(self, log_dir: Path, *, workers: int = 2, app: str | None = None, **settings):
+    def __init__(self, log_dir: Path, *, workers: int = 2, app: str | None = None, repo: Path = REPO, **settings):
         if "model" not in settings:
             from devtools.devmodel import build_dev_model
 
             settings = {"model": build_dev_model(TINY_MODEL_DIR, preset="tiny"), "model_name": "tiny", **settings}
         self.port = free_port()
         self.workers = workers
+        # The checkout Gunicorn runs: this one, or another revision's tree (bench/probes/served_ab.py).
+        self.repo = repo
         self.app_args = [app] if app else []
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
         self.env = {
@@ -89,7 +91,7 @@ class GunicornServer:
         self.process = subprocess.Popen(
             # No control socket: every test master would otherwise share ~/.gunicorn/gunicorn.ctl.
             [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--no-control-socket", *self.app_args],
-            cwd=REPO,
+            cwd=self.repo,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,100 @@
+"""Time one stream's decode through the working tree's server and another revision's, taking turns.
+
+`python bench/probes/served_ab.py --against REV [--dtype int4m] [--rounds 8] [--tokens 300]` unpacks
+git revision REV into a folder under ~/.cache/corechat/served-ab, starts it and the working tree as
+two Gunicorn servers on the dev model (`make serve`'s settings otherwise: a worker per core), both
+alive at once, and sends one streamed chat completion of `--tokens` tokens to each in turn, the
+order alternating round by round, as a client that names no sampling sends it (the model's
+generation_config: Qwen2.5's top-p/top-k draw with its repetition penalty). A change to the
+engine's per-token path (its Python, the operators around the forward) is then judged by the ratio
+of two decode rates taken moments apart on the same machine, which moves far less than two runs'
+absolute figures. Prints a table and writes bench/results/<machine>/<name>.json and .md (--name,
+default served-ab) with the CPU, date and both revisions.
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import CACHE_DIR, progress, save_results  # noqa: E402
+from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
+from harness.client import stream_chat  # noqa: E402
+from harness.servers import GunicornServer  # noqa: E402
+from service.topology import physical_cores  # noqa: E402
+
+
+def git(*arguments: str) -> str:
+    """Run git in the repository; return its output."""
+    return subprocess.run(["git", "-C", str(REPO), *arguments], capture_output=True, text=True, check=True).stdout
+
+
+def unpacked(revision: str) -> tuple[str, Path]:
+    """Return a revision's commit and a folder holding its tree (unpacked once per commit)."""
+    commit = git("rev-parse", "--short", f"{revision}^{{commit}}").strip()
+    folder = CACHE_DIR / "served-ab" / commit
+    if not (folder / "wsgi.py").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return commit, folder
+
+
+def main() -> None:
+    """Alternate the two servers' streams and save the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default="HEAD", help="the git revision to compare the working tree with")
+    parser.add_argument("--dtype", default="int4m")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--name", default="served-ab", help="the results files' name")
+    args = parser.parse_args()
+    from devtools.devmodel import build_dev_model
+
+    model = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
+    commit, folder = unpacked(args.against)
+    tree = git("rev-parse", "--short", "HEAD").strip() + ("+changes" if git("status", "--porcelain", "--untracked-files=no")
+                                                           else "")
+    rates: dict[str, list[float]] = {"tree": [], "against": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        servers = {name: GunicornServer(Path(scratch), workers=physical_cores(), model=model, dtype=args.dtype,
+                                        repo=repo)
+                   for name, repo in (("tree", REPO), ("against", folder))}
+        try:
+            for name, server in servers.items():
+                progress(f"starting the {name}'s server ({args.dtype}; a first start converts the weights)")
+                server.start(timeout=900)
+            tag = uuid.uuid4().hex[:8]
+            for round_index in range(args.rounds):
+                order = ("tree", "against") if round_index % 2 == 0 else ("against", "tree")
+                for name in order:
+                    messages = [{"role": "user", "content": f"{tag} {round_index}: tell me a long story about a lighthouse."}]
+                    result = stream_chat(servers[name].url, messages, args.tokens, greedy=False)
+                    if result.error:
+                        raise RuntimeError(f"the {name}'s stream failed: {result.error}")
+                    rates[name].append(result.decode_tokens_per_second)
+                progress(f"round {round_index + 1}: tree {rates['tree'][-1]:.1f}, {commit} {rates['against'][-1]:.1f} tok/s")
+        finally:
+            for server in servers.values():
+                server.stop()
+    ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
+    results = {"dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds, "tree": tree, "against": commit,
+               "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
+    table = (f"## One stream's decode, served, working tree ({tree}) against {commit}: {args.dtype}, the model's default "
+             f"sampling, {args.tokens} tokens a stream, {args.rounds} alternating rounds (a ratio above 1: the working "
+             "tree is faster)\n\n| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
+             + "".join(f"| round {index + 1} | {tree_rate:.1f} tok/s | {against_rate:.1f} tok/s | {ratio:.3f} |\n"
+                       for index, (tree_rate, against_rate, ratio) in enumerate(zip(rates["tree"], rates["against"], ratios)))
+             + f"| median | {statistics.median(rates['tree']):.1f} tok/s | {statistics.median(rates['against']):.1f} tok/s "
+               f"| {statistics.median(ratios):.3f} |\n")
+    save_results(args.name, results, table)
+
+
+if __name__ == "__main__":
+    main()
