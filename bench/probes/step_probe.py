@@ -10,7 +10,8 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
   the step's time outside the layers are the differences. Products are given in weights read per
   second against the read bandwidth (bench.probes bandwidth, in the same command). Sampling is
   timed apart (greedy, and the dev model's generation_config, Qwen2.5's: temperature 0.7, top_p 0.8,
-  top_k 20, repetition penalty 1.05 over the prompt; all rows in the engine's one call).
+  top_k 20, repetition penalty 1.05 over the prompt; all rows in the engine's one call), repeated on
+  warm caches and, as the engine draws, right after every layer's products swept the caches.
 - prompt: a prompt of each length passes in PREFILL_CHUNK_TOKENS chunks, profiled;
   its attention is then replayed alone (torch.ops.corechat.paged_attention, every layer's call of
   every chunk, on random keys at the same positions) to split the layers' time into attention and
@@ -139,13 +140,20 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
                          "defaults": SamplingParams(max_tokens=1, temperature=defaults.temperature, top_p=defaults.top_p,
                                                     top_k=defaults.top_k, repetition_penalty=defaults.repetition_penalty,
                                                     seed=1)}.items():
-        samples = []
+        samples, swept = [], []
         for _ in range(SAMPLING_REPEATS):
             samplers = [Sampler(params, logits.shape[-1], prompt_ids) for _ in range(rows)]
             began = time.perf_counter()
             sample_tokens(samplers, logits)
             samples.append(time.perf_counter() - began)
+            # As the engine draws: right after a step's weights went through every cache.
+            samplers = [Sampler(params, logits.shape[-1], prompt_ids) for _ in range(rows)]
+            torch.ops.corechat.run_products(lean.registered, rows)
+            began = time.perf_counter()
+            sample_tokens(samplers, logits)
+            swept.append(time.perf_counter() - began)
         sampling[name] = statistics.median(samples)
+        sampling[f"{name} after a step"] = statistics.median(swept)
     seconds = {part: statistics.median(values) for part, values in times.items()}
     parts = {"products": seconds["products"], "attention": seconds["attention"],
              "around them": seconds["decoder layers"] - seconds["products"] - seconds["attention"],
@@ -220,7 +228,8 @@ def decode_line(run: dict, bandwidth: float) -> str:
             f"({step_bytes / step / bandwidth:.2f}) | {streamed(parts['products'], run['layer_weight_bytes'])} | "
             f"{share(parts['attention'])} | {share(parts['around them'])} | "
             f"{streamed(parts['output product'], run['output_weight_bytes'])} | {share(parts['outside the layers'])} | "
-            f"{sampling['greedy'] * 1e3:.2f} / {sampling['defaults'] * 1e3:.2f} ms |")
+            f"{sampling['greedy'] * 1e3:.2f} / {sampling['defaults'] * 1e3:.2f} ms; "
+            f"{sampling['greedy after a step'] * 1e3:.2f} / {sampling['defaults after a step'] * 1e3:.2f} ms |")
 
 
 def measure_prompt(runner, tokens: int, multiply_adds_per_token: int) -> dict:
@@ -296,7 +305,8 @@ def main() -> None:
     part_names = list(PARTS) + ["other operators", "python"]
     prompt_names = ["decoder layers", "attention (replayed)", *part_names[1:]]
     decode_lines = ["| DTYPE | rows | step | products | attention | around them | output product | outside the layers "
-                    "| sampling (greedy / the defaults), all rows |", "|---|---|---|---|---|---|---|---|---|"]
+                    "| sampling (greedy / the defaults), all rows: repeated; after a step |",
+                    "|---|---|---|---|---|---|---|---|---|"]
     prompt_lines = ["| DTYPE | prompt tokens | pass | " + " | ".join(prompt_names) + " | products, G multiply-adds/s |",
                     "|---|---|---|" + "---|" * len(prompt_names) + "---|"]
     for dtype in args.dtypes:
@@ -329,7 +339,8 @@ def main() -> None:
         "with the weights they read per second as a fraction of the read bandwidth, the step with every weight's "
         "bytes. Around them: what the decoder layers spend besides their products and attention (norms, rotary, "
         "rounding inputs, SiLU, residuals, each product's fork and join). Outside the layers: embedding, rotary "
-        "tables, final norm, the interpreter.", "", *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
+        "tables, final norm, the interpreter. Sampling: repeated on warm caches; then each draw right after every "
+        "layer's products (one run_products call) swept the caches, as the engine draws.", "", *decode_lines, "", f"### Prompt pass ({CHUNK}-token chunks; the decoder layers include the attention; products "
         "= the layers less the attention, norms and rotary included)", "", *prompt_lines, "",
         *(["### A lone stream through Gunicorn beside the same steps", "",
            f"One worker on {args.threads} thread(s), {results['server'][0]['reply_tokens'] if args.server else 0} greedy tokens a stream, two streams a round "
