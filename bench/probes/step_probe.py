@@ -1,6 +1,6 @@
 """Where a decode step's and a prompt pass's time goes: products, attention, the rest, sampling.
 
-`python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2] [--server]`
+`python bench/probes/step_probe.py [--dtypes int8 int4] [--rows 1 8] [--prompts 850 5000] [--threads 2] [--server] [--name step]`
 loads the 0.5B dev model as a worker does and drives the runner its engine drives
 (service/engine/runners.py: the lean forward over the page pool):
 - decode: `rows` sequences of a ~40-token chat prompt each decode as one batch. Whole steps take
@@ -20,8 +20,8 @@ loads the 0.5B dev model as a worker does and drives the runner its engine drive
   streams in turns with runs of the same steps in this process: what serving adds per token, and
   how much of it the engine spends inside its steps outside the forward (its decode_overhead_fraction).
 Wall time: the operators run on `--threads` threads (a default worker on an idle machine borrows
-its neighbours' cores). It prints a table and writes bench/results/<machine>/step.json and .md with the CPU,
-date and commit.
+its neighbours' cores). It prints a table and writes bench/results/<machine>/<name>.json and .md (--name,
+default step) with the CPU, date and commit.
 """
 
 import argparse
@@ -296,6 +296,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--server", action="store_true",
                         help="also time a lone stream through Gunicorn in turns with the in-process steps")
+    parser.add_argument("--name", default="step", help="the results files' name")
     args = parser.parse_args()
     bandwidth = run_probe("bandwidth", "--threads", str(args.threads), "--megabytes", "1024")["bytes_per_second"]
     torch.set_num_threads(args.threads)
@@ -347,7 +348,7 @@ def main() -> None:
            "in turns with a run of in-process steps, three rounds (medians). The engine's share outside the forward "
            "(sampling, text, delivery) is its decode_overhead_fraction; the rest of what serving adds is between "
            "steps: the HTTP thread, the client and the engine's loop.", "", *server_lines, ""] if args.server else [])])
-    save_results("step", results, table)
+    save_results(args.name, results, table)
 
 
 if __name__ == "__main__":
