@@ -1,8 +1,9 @@
 // The step's next tokens from its logits, each row in one or two passes over its vocabulary instead
 // of the sampler's passes of whole-vocabulary tensors: torch.ops.corechat.greedy_tokens (the first
 // largest logit) and .draw_tokens (a draw by temperature, top_k and top_p); .token_weights gives the
-// weights draw_tokens draws by. A row's token depends on its own logits and parameters alone, never
-// on the other rows, the thread count or the kernel path.
+// weights draw_tokens draws by; .repetition_penalized and .finite_rows are the sampler's penalty and
+// its check of each row's largest logit, one call each. A row's token depends on its own logits and
+// parameters alone, never on the other rows, the thread count or the kernel path.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
