@@ -44,12 +44,15 @@ def kernel_paths() -> str:
     return ",".join(["reference", *(isa.name for isa in kernels.instruction_sets(kernels.cpu_flags()))])
 
 
+def git(*arguments: str, check: bool = True) -> str:
+    """Run git in this repository; return its output."""
+    return subprocess.run(["git", "-C", str(REPO), *arguments], capture_output=True, text=True, check=check).stdout
+
+
 def machine() -> dict[str, str]:
     """Return what a figure needs to be traced: the CPU, its kernel paths, the date and the commit."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD", check=False).strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no", check=False).strip()
     return {"cpu": cpu_model(), "kernel_paths": kernel_paths(), "cpus": str(len(_online_cpus())),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit + ("+uncommitted" if dirty else "")}

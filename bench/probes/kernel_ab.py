@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench import CACHE_DIR, save_results  # noqa: E402
+from bench import CACHE_DIR, git, save_results  # noqa: E402
 from bench.probes.kernel_probe import HIDDEN, INTERMEDIATE, random_weight, step_shapes  # noqa: E402
 from service.engine import kernels, quantized  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -43,11 +42,6 @@ def renamed_source(text: str) -> str:
     text = re.sub(r"\bnamespace corechat\b", f"namespace {RENAMED}", text)
     text = re.sub(r"\bcorechat::", f"{RENAMED}::", text)
     return re.sub(r"\b(TORCH_LIBRARY(?:_FRAGMENT|_IMPL)?)\(corechat\b", rf"\1({RENAMED}", text)
-
-
-def git(*arguments: str) -> str:
-    """Run git in the repository; return its output."""
-    return subprocess.run(["git", "-C", str(REPO), *arguments], capture_output=True, text=True, check=True).stdout
 
 
 def build_revision(revision: str) -> tuple[str, Path]:

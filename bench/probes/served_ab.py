@@ -23,16 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import CACHE_DIR, progress, save_results  # noqa: E402
+from bench import CACHE_DIR, git, progress, save_results  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from harness.client import stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
-
-
-def git(*arguments: str) -> str:
-    """Run git in the repository; return its output."""
-    return subprocess.run(["git", "-C", str(REPO), *arguments], capture_output=True, text=True, check=True).stdout
 
 
 def unpacked(revision: str) -> tuple[str, Path]:
@@ -59,8 +54,6 @@ def main() -> None:
 
     model = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
     commit, folder = unpacked(args.against)
-    tree = git("rev-parse", "--short", "HEAD").strip() + ("+changes" if git("status", "--porcelain", "--untracked-files=no")
-                                                           else "")
     rates: dict[str, list[float]] = {"tree": [], "against": []}
     with tempfile.TemporaryDirectory() as scratch:
         servers = {name: GunicornServer(Path(scratch), workers=physical_cores(), model=model, dtype=args.dtype,
@@ -84,9 +77,10 @@ def main() -> None:
             for server in servers.values():
                 server.stop()
     ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
-    results = {"dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds, "tree": tree, "against": commit,
+    # The working tree's commit (and whether it had changes) is the results' own, as save_results records it.
+    results = {"dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds, "against": commit,
                "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
-    table = (f"## One stream's decode, served, working tree ({tree}) against {commit}: {args.dtype}, the model's default "
+    table = (f"## One stream's decode, served, working tree against {commit}: {args.dtype}, the model's default "
              f"sampling, {args.tokens} tokens a stream, {args.rounds} alternating rounds (a ratio above 1: the working "
              "tree is faster)\n\n| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
              + "".join(f"| round {index + 1} | {tree_rate:.1f} tok/s | {against_rate:.1f} tok/s | {ratio:.3f} |\n"

@@ -101,7 +101,6 @@ class Sampler:
     # without building a tensor from a list of a long conversation's thousands of ids.
     seen_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
     _seen: set[int] = field(init=False, default_factory=set, repr=False)
-    _seen_values: object = field(init=False, default=None, repr=False)
     # logit_bias as tensors, built once: the ids it moves and by how much.
     bias_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
     bias_values: torch.Tensor | None = field(init=False, default=None, repr=False)
@@ -120,7 +119,6 @@ class Sampler:
             ids = list(dict.fromkeys(token for token in prompt_ids if token < self.vocab_size))
             self.seen_ids = torch.zeros(max(SEEN_CAPACITY, 2 * len(ids)), dtype=torch.long)
             self.seen_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-            self._seen_values = self.seen_ids.numpy()
             self._seen.update(ids)
 
     @property
@@ -144,9 +142,8 @@ class Sampler:
         if self.seen_ids is not None and token_id not in self._seen and token_id < self.vocab_size:
             if len(self._seen) == self.seen_ids.shape[0]:
                 self.seen_ids = torch.cat([self.seen_ids, torch.zeros_like(self.seen_ids)])
-                self._seen_values = self.seen_ids.numpy()
             # Through numpy's view of the tensor: an element written without a torch operator call.
-            self._seen_values[len(self._seen)] = token_id
+            self.seen_ids.numpy()[len(self._seen)] = token_id
             self._seen.add(token_id)
 
 
@@ -178,7 +175,7 @@ def sample_tokens(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int
     tokens = [NO_TOKEN] * len(samplers)
     # A NaN anywhere in a row, or an infinite largest logit, makes the row's maximum non-finite;
     # argmax would return the NaN's index as if it were the likeliest token.
-    finite = kernel_op("finite_rows")(logits if logits.is_contiguous() else logits.contiguous())
+    finite = kernel_op("finite_rows")(logits.contiguous())
     for row, sampler in enumerate(samplers):
         if not finite[row]:
             sampler.failure = NonFiniteLogits("the model's logits are not finite (NaN or infinite)")
@@ -200,7 +197,7 @@ def penalized(samplers: Sequence[Sampler], logits: torch.Tensor) -> torch.Tensor
     if repeated:
         # Only the seen tokens change: a few hundred values, in one operator (kernels/csrc/sampling.cpp).
         logits = kernel_op("repetition_penalized")(
-            logits if logits.is_contiguous() else logits.contiguous(), [samplers[row].seen_ids for row in repeated],
+            logits.contiguous(), [samplers[row].seen_ids for row in repeated],
             [samplers[row].seen_count for row in repeated], repeated,
             [samplers[row].params.repetition_penalty for row in repeated])
     rows = [row for row, sampler in enumerate(samplers) if sampler.output_counts is not None]

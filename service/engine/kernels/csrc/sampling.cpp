@@ -82,10 +82,19 @@ __attribute__((target("avx2"))) int64_t first_largest_avx2(const float* row, int
 }
 #endif
 
-int64_t first_largest(const float* row, int64_t width) {
+// Whether this CPU runs the AVX2 loops below (asked once).
+bool cpu_has_avx2() {
 #if defined(__x86_64__)
     static const bool avx2 = __builtin_cpu_supports("avx2");
-    if (avx2) return first_largest_avx2(row, width);
+    return avx2;
+#else
+    return false;
+#endif
+}
+
+int64_t first_largest(const float* row, int64_t width) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2()) return first_largest_avx2(row, width);
 #endif
     return first_largest_plain(row, width);
 }
@@ -402,8 +411,7 @@ __attribute__((target("avx2"))) bool finite_largest_avx2(const float* row, int64
 
 bool finite_largest(const float* row, int64_t width) {
 #if defined(__x86_64__)
-    static const bool avx2 = __builtin_cpu_supports("avx2");
-    if (avx2) return finite_largest_avx2(row, width);
+    if (cpu_has_avx2()) return finite_largest_avx2(row, width);
 #endif
     return finite_largest_plain(row, 0, width, true, false);
 }
