@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     )
     dtype: str = Field(
         "int8", description="Weight format: int8, int4 or int4m (Linear weights as 8- or 4-bit integers, a "
-        "float16 scale per group of 32, int4m also a float16 minimum; the 4-bit formats' output layer and value "
+        "float16 scale per group of 32, int4m also a float16 minimum; the 4-bit formats' output layer int6 and value "
         "products int8, their other layers rounded by GPTQ on a built-in calibration text), converted once into a "
         "file beside the model that workers share, the rest bfloat16; or bfloat16, or "
         "float32. int8, int4 and int4m run corechat's own kernels, and their replies do not depend on what else a "

@@ -24,7 +24,9 @@ from . import gptq
 from .calibration import calibration_windows
 from .loading import map_safetensors, safetensors_files
 from .quantized import (
+    CALIBRATED,
     FORMAT_VERSION,
+    INT6,
     INT8,
     LAYOUT_TOKEN,
     PACKED,
@@ -45,10 +47,13 @@ DIGEST = "digest"
 
 
 def format_of(fmt: WeightFormat, weight_name: str) -> WeightFormat:
-    """Return the format a weight is stored in under DTYPE `fmt`: the output layer's is always int8, and
-    so are the 4-bit formats' value products, as llama.cpp's q4_K_M keeps them at more bits: on SmolLM2
-    they are 3% of a layer's weights and, rounded to 4 bits alone, a third of int4m's KL divergence."""
-    if weight_name == OUTPUT_LAYER or (fmt in PACKED and weight_name.endswith(VALUE_SUFFIX)):
+    """Return the format a weight is stored in under DTYPE `fmt`. The output layer: int8 under int8, and
+    int6 under the 4-bit formats, as llama.cpp's q4_0 and q4_K_M keep it at 6 bits (q6_K). The 4-bit
+    formats' value products: int8, as q4_K_M keeps them at more bits: on SmolLM2 they are 3% of a
+    layer's weights and, rounded to 4 bits alone, a third of int4m's KL divergence."""
+    if weight_name == OUTPUT_LAYER:
+        return INT6 if fmt in PACKED else INT8
+    if fmt in PACKED and weight_name.endswith(VALUE_SUFFIX):
         return INT8
     return fmt
 
@@ -111,9 +116,9 @@ def converted_file_for(fmt: WeightFormat, model_dir: Path, converted_dir: Path, 
 
 
 def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, fingerprint: str) -> str:
-    """Write the quantized weights and scales of every Linear (the output layer included, in int8) to one
-    file, and return their digest; the 4-bit formats' layers are rounded by GPTQ on the calibration text
-    (gptq.py), where the model's decoder layers can be found."""
+    """Write the quantized weights and scales of every Linear (the output layer included: format_of) to one
+    file, and return their digest; the 4-bit formats' layers and output layer are rounded by GPTQ on the
+    calibration text (gptq.py), where the model's decoder layers can be found."""
     state = {}
     for path in safetensors_files(model_dir):
         state.update(map_safetensors(path))
@@ -128,7 +133,7 @@ def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, 
             raise ValueError(f"{stored.name} needs Linear input widths that are multiples of {stored.width_multiple}; "
                              f"{weight_name} has {source.shape[1]}")
         rounding = QUANTIZE[stored.name]
-        stored_tensors = rounding(source, moments) if stored in PACKED else rounding(source)
+        stored_tensors = rounding(source, moments) if stored in CALIBRATED else rounding(source)
         tensors[weight_name + WEIGHT_SUFFIX], tensors[weight_name + SCALE_SUFFIX] = stored_tensors
 
     def quantize_layer(moments) -> None:
@@ -136,7 +141,7 @@ def convert(fmt: WeightFormat, model_dir: Path, model, tokenizer, target: Path, 
             quantize(weight_name, layer_moments)
 
     if fmt in PACKED:
-        gptq.layer_moments(model, calibration_windows(tokenizer), quantize_layer)
+        gptq.layer_moments(model, calibration_windows(tokenizer), quantize_layer, OUTPUT_LAYER)
     for weight_name in quantized_weight_names(model).values():
         if weight_name + WEIGHT_SUFFIX not in tensors:
             quantize(weight_name)

@@ -68,11 +68,13 @@ def rounded(weight: torch.Tensor, moments: torch.Tensor, group: int, grid: Calla
     return scales, minimums, levels.T.contiguous()
 
 
-def layer_moments(model, windows: torch.Tensor, quantize_layer: Callable[[dict[str, torch.Tensor]], None]) -> bool:
+def layer_moments(model, windows: torch.Tensor, quantize_layer: Callable[[dict[str, torch.Tensor]], None],
+                  output_name: str | None = None) -> bool:
     """Run the calibration windows [count, length] through the model's decoder and call quantize_layer
     with each decoder layer's Linear weight names -> their inputs' moments as soon as that layer has
-    run, so only one layer's moments are held at a time. Return False (calling nothing) for a model
-    whose decoder layers are not at model.model.layers."""
+    run, so only one layer's moments are held at a time; then, given `output_name`, with that name ->
+    the moments of the decoder's output (the final norm's, the output layer's input). Return False
+    (calling nothing) for a model whose decoder layers are not at model.model.layers."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return False
@@ -103,8 +105,11 @@ def layer_moments(model, windows: torch.Tensor, quantize_layer: Callable[[dict[s
             hooks.append(module.register_forward_pre_hook(collect(f"{name}.weight")))
     try:
         with torch.inference_mode():
-            model.model(input_ids=windows)
+            states = model.model(input_ids=windows).last_hidden_state
     finally:
         for hook in hooks:
             hook.remove()
+    if output_name is not None:
+        flat = states.reshape(-1, states.shape[-1]).float()
+        quantize_layer({output_name: flat.T @ flat})
     return True

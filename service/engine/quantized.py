@@ -2,18 +2,20 @@
 corechat's kernels, and the Linear that multiplies by it (converted.py writes them into one file).
 
 Every Linear of the decoder layers and the output layer is stored quantized; the rest (embedding,
-norms, biases) stays bfloat16. The 4-bit formats keep the output layer and each layer's value
-product in int8 (converted.py: format_of), and round the rest by GPTQ on a calibration text
+norms, biases) stays bfloat16. The 4-bit formats keep their output layer in int6 and each layer's
+value product in int8 (converted.py: format_of), and round the rest by GPTQ on a calibration text
 (gptq.py), into the same layout.
   int8: groups of 32 weights of a row, one float16 scale each (symmetric, -127..127), as llama.cpp's
         q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
-        sharing a byte's nibbles (4.5 bits per weight); the output layer is int8, as llama.cpp's
+        sharing a byte's nibbles (4.5 bits per weight); the output layer is int6, as llama.cpp's
         q4_0 keeps its output layer at 6 bits (q6_K): the logits' own rounding weighs most.
   int4m: int4's layout with a float16 scale and a float16 minimum per group of 32, each weight
         0..15 steps above its group's minimum, as llama.cpp's q4_1 (5 bits per weight); the output
-        layer is int8.
-Weights are stored with an offset that makes them unsigned (+128, +8; int4m's steps need none), in
+        layer is int6.
+  int6 (no DTYPE; the 4-bit DTYPEs' output layer): int8's rotated groups at -31..31, each weight's
+        low 4 bits in int4's nibbles and its top 2 bits in a quarter-block after them (6.5 bits).
+Weights are stored with an offset that makes them unsigned (+128, +32, +8; int4m's steps need none), in
 tiles of 16 rows whose blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
 64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
@@ -31,7 +33,7 @@ from . import gptq
 
 # Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
 # changes, so a file written by another version is never read as this one's.
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -39,6 +41,7 @@ GROUP = 32
 TILE_OUTPUTS = 16
 GROUP_INPUTS = 4
 INT8_OFFSET = 128
+INT6_OFFSET = 32
 INT4_OFFSET = 8
 # The levels each 4-bit format rounds to (int4's stored + INT4_OFFSET).
 INT4_LEVELS, INT4M_LEVELS = (-8, 7), (0, 15)
@@ -53,18 +56,25 @@ class WeightFormat:
     code: int
     description: str
     width_multiple: int
+    # Bits stored per weight, the scales aside: a stored row of n inputs is n * bits / 8 bytes.
+    bits: int
 
 
-INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP)
-INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP)
-INT4M = WeightFormat("int4m", 2, "int4 weights with a float16 scale and minimum per group of 32", GROUP)
+INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 8)
+INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP, 4)
+INT4M = WeightFormat("int4m", 2, "int4 weights with a float16 scale and minimum per group of 32", GROUP, 4)
+INT6 = WeightFormat("int6", 3, "int6 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 6)
+# The DTYPEs; int6 is only stored (the 4-bit DTYPEs' output layer).
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4, INT4M)}
+STORED_FORMATS = {**FORMATS, INT6.name: INT6}
 PACKED = (INT4, INT4M)
+# The formats rounded by GPTQ where the converter has their inputs' moments (quantize_* take them).
+CALIBRATED = (INT4, INT4M, INT6)
 ACTIVATIONS = "activations rounded to int8 per block of 32 (rotated as the weights are)"
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
 LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
-          "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code, "int4_mins": INT4M.code,
-          "int8_rotated": 1}
+          "int6_offset": INT6_OFFSET, "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code,
+          "int4_mins": INT4M.code, "int6_groups": INT6.code, "int8_rotated": 1, "int6_rotated": 1}
 
 
 class LayoutMismatch(RuntimeError):
@@ -97,7 +107,7 @@ class QuantizedLinear(nn.Module):
         self.format = fmt
         self.float32_output = float32_output
         self.out_features = out_features
-        self.in_features = weight.shape[1] * (2 if fmt in PACKED else 1)
+        self.in_features = weight.shape[1] * 8 // fmt.bits
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Multiply by the quantized weight (activations rounded per block of 32 inside the kernel)."""
@@ -193,19 +203,28 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     outputs, inputs = weight.shape
     check_width(INT8, inputs)
+    scales, levels = rotated_levels(weight, 127)
+    stored = pad_rows((levels + INT8_OFFSET).to(torch.uint8), fill=INT8_OFFSET)
+    return tile_int8(stored), tile_scales(scales)
+
+
+def rotated_levels(weight: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the float16 scales [outputs, blocks] and levels [outputs, inputs] of a matrix's groups
+    rotated by the Hadamard matrix and rounded symmetrically to -largest..largest steps of their
+    largest magnitude / largest (int8, int6); the rounding uses the float16 scale that is stored."""
+    outputs, inputs = weight.shape
     groups = rotate_groups(weight.float()).reshape(outputs, inputs // GROUP, GROUP)
-    # A group whose largest magnitude is under 127 x 2^-14 gets a subnormal float16 scale, with fewer
-    # significant bits. Left as it is: the error that adds is at most 127 x 2^-25 per weight, below
-    # half the step of any group with a normal scale, so it only shows in a matrix whose weights are
-    # all that small, which trained models' are not; clamping the scale up to 2^-14 would coarsen
+    # A group whose largest magnitude is under `largest` x 2^-14 gets a subnormal float16 scale, with
+    # fewer significant bits. Left as it is: the error that adds is at most largest x 2^-25 per weight,
+    # below half the step of any group with a normal scale, so it only shows in a matrix whose weights
+    # are all that small, which trained models' are not; clamping the scale up to 2^-14 would coarsen
     # those groups' steps instead.
-    scales = (groups.abs().amax(dim=2) / 127).to(torch.float16)
+    scales = (groups.abs().amax(dim=2) / largest).to(torch.float16)
     stored_scales = scales.float()
     safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-    levels = torch.round(groups / safe[:, :, None]).clamp(-127, 127)
+    levels = torch.round(groups / safe[:, :, None]).clamp(-largest, largest)
     levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
-    stored = pad_rows((levels + INT8_OFFSET).to(torch.uint8).reshape(outputs, inputs), fill=INT8_OFFSET)
-    return tile_int8(stored), tile_scales(scales)
+    return scales, levels.reshape(outputs, inputs)
 
 
 def levels_on(groups: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -349,6 +368,62 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float()
 
 
+def pack_int6(stored: torch.Tensor) -> torch.Tensor:
+    """Lay out offset 6-bit values [padded rows, inputs] (0..63) as the kernel reads them: per tile's
+    block, the low 4 bits as pack_nibbles lays them out (256 bytes), then the top 2 bits (128 bytes):
+    byte 64 * q + 4 * row + k holds those of nibble load 2q's low and high nibbles (bits 0-1, 2-3)
+    and of load 2q + 1's (bits 4-5, 6-7)."""
+    rows, inputs = stored.shape
+    tiles, blocks = rows // TILE_OUTPUTS, inputs // GROUP
+    nibbles = pack_nibbles(stored & 0x0F).reshape(tiles, blocks, TILE_OUTPUTS * GROUP // 2)
+    # [tiles, 16 rows, blocks, 8 groups of 4 inputs, 4] -> [tiles, blocks, 8 groups, 16 rows x 4 inputs]
+    top = (stored >> 4).reshape(tiles, TILE_OUTPUTS, blocks, GROUP // GROUP_INPUTS, GROUP_INPUTS)
+    top = top.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS * GROUP_INPUTS)
+    loads = [top[:, :, 2 * q] | (top[:, :, 2 * q + 4] << 2) | (top[:, :, 2 * q + 1] << 4) | (top[:, :, 2 * q + 5] << 6)
+             for q in (0, 1)]
+    return torch.cat([nibbles, *loads], dim=2).reshape(rows, inputs * 3 // 4).contiguous()
+
+
+def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
+    """Undo pack_int6, as float32 values 0..63."""
+    rows, inputs = packed.shape[0], packed.shape[1] * 4 // 3
+    tiles, blocks = rows // TILE_OUTPUTS, inputs // GROUP
+    parts = packed.reshape(tiles, blocks, -1)
+    nibble_bytes = TILE_OUTPUTS * GROUP // 2
+    low = unpack_nibbles(parts[:, :, :nibble_bytes].reshape(rows, inputs // 2))
+    loads = parts[:, :, nibble_bytes:].reshape(tiles, blocks, 2, TILE_OUTPUTS * GROUP_INPUTS)
+    top = torch.empty(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS * GROUP_INPUTS, dtype=torch.uint8)
+    for q in (0, 1):
+        for shift, group in ((0, 2 * q), (2, 2 * q + 4), (4, 2 * q + 1), (6, 2 * q + 5)):
+            top[:, :, group] = (loads[:, :, q] >> shift) & 0x3
+    top = top.reshape(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS, GROUP_INPUTS).permute(0, 3, 1, 2, 4)
+    return low + 16 * top.reshape(rows, inputs).float()
+
+
+def int6_grid(groups: torch.Tensor, importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return int6's float16 scales for rotated groups [rows, blocks, 32]: each group's largest magnitude
+    / 31 (minimums all 0), the nearest rounding's rule."""
+    scales = (groups.abs().amax(dim=2) / (INT6_OFFSET - 1)).to(torch.float16)
+    return scales, torch.zeros_like(scales)
+
+
+def quantize_int6(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a matrix as int8 does (rotated groups of 32, symmetric, a float16 scale each), to
+    -31..31 steps, stored + 32 in 6 bits (pack_int6). llama.cpp keeps its 4-bit types' output layer in
+    6 bits (q6_K) too: the logits' rounding weighs most, and int4 there costs too much. With the
+    inputs' second moments, rounded by GPTQ (gptq.py) on the same grid, in the rotated space: the
+    moments rotated on both sides as the weights' groups are."""
+    outputs, inputs = weight.shape
+    check_width(INT6, inputs)
+    if moments is None:
+        scales, levels = rotated_levels(weight, INT6_OFFSET - 1)
+    else:
+        rotated_moments = rotate_groups(rotate_groups(moments.double()).T)
+        scales, _, levels = gptq.rounded(rotate_groups(weight.float()), rotated_moments, GROUP, int6_grid,
+                                         partial(levels_on, low=1 - INT6_OFFSET, high=INT6_OFFSET - 1))
+    return pack_int6(pad_rows((levels + INT6_OFFSET).to(torch.uint8), fill=INT6_OFFSET)), tile_scales(scales)
+
+
 def quantize_int4(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix per group of 32 to -8..7 times a float16 scale (int4_grid), packed as the
     kernel reads it. The rounding uses the float16 scale that is stored. Each block of a tile holds its
@@ -375,11 +450,13 @@ def quantize_int4m(weight: torch.Tensor, moments: torch.Tensor | None = None) ->
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, outputs: int) -> torch.Tensor:
-    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for (int8's groups
-    rotated back)."""
+    """Return the float32 matrix [outputs, inputs] a stored quantized one stands for (int8's and int6's
+    groups rotated back)."""
     rows = weight.shape[0]
     if fmt is INT8:
         levels = untile_int8(weight).float() - INT8_OFFSET
+    elif fmt is INT6:
+        levels = unpack_int6(weight) - INT6_OFFSET
     else:
         levels = unpack_nibbles(weight) - (INT4_OFFSET if fmt is INT4 else 0)
     inputs = levels.shape[1]
@@ -391,7 +468,7 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
         minimums = untile_scales(minimums)
     steps = levels.reshape(rows, blocks, GROUP) * untile_scales(scales)[:, :, None]
     restored = (steps + minimums[:, :, None]).reshape(rows, inputs)
-    return (rotate_groups(restored) if fmt is INT8 else restored)[:outputs]
+    return (rotate_groups(restored) if fmt in (INT8, INT6) else restored)[:outputs]
 
 
-QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4, INT4M.name: quantize_int4m}
+QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4, INT4M.name: quantize_int4m, INT6.name: quantize_int6}

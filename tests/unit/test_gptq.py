@@ -26,6 +26,7 @@ from service.engine.quantized import (
     INT4_OFFSET,
     INT4M,
     INT4M_LEVELS,
+    INT6,
     INT8,
     QUANTIZE,
     dequantize,
@@ -56,11 +57,11 @@ def restored(fmt, weight: torch.Tensor, moments: torch.Tensor | None = None) -> 
     return dequantize(fmt, *QUANTIZE[fmt.name](weight, moments), weight.shape[0])
 
 
-@pytest.mark.parametrize("fmt", FOUR_BIT, ids=lambda fmt: fmt.name)
+@pytest.mark.parametrize("fmt", [*FOUR_BIT, INT6], ids=lambda fmt: fmt.name)
 def test_gptq_brings_the_products_closer_than_nearest_rounding(fmt):
     """On the inputs it was calibrated on, and on fresh ones alike, the products of the GPTQ-rounded
     matrix lie closer to the float products than those of the nearest rounding (0.34-0.52 of the
-    squared error)."""
+    squared error for the 4-bit formats; int6, the output layer's, rounded in its rotated space)."""
     weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(1)) * 0.05
     calibration, fresh = correlated_inputs(2048, 256, seed=2), correlated_inputs(512, 256, seed=3)
     moments = calibration.T @ calibration
@@ -226,8 +227,8 @@ def test_the_calibration_text_is_whole_windows_of_the_models_tokens(tiny_model_d
 @pytest.mark.parametrize("fmt", FOUR_BIT, ids=lambda fmt: fmt.name)
 def test_a_4bit_conversion_rounds_by_gptq_keeps_values_int8_and_names_its_digest(model_dir, tmp_path, fmt):
     """Converting the tiny model to a 4-bit format rounds every layer's Linear by GPTQ (not as the
-    nearest rounding would), stores the value products and the output layer as int8, and writes the
-    tensors' digest that the engine's fingerprint includes."""
+    nearest rounding would), the output layer as int6 by GPTQ on the decoder's output and the value
+    products as int8, and writes the tensors' digest that the engine's fingerprint includes."""
     kernels.load(Path(Settings().kernels_dir))
     model = load_model(model_dir, torch.bfloat16)
     names = quantized_weight_names(model)
@@ -239,15 +240,16 @@ def test_a_4bit_conversion_rounds_by_gptq_keeps_values_int8_and_names_its_digest
     with safe_open(target, "pt") as file:
         for weight_name in names.values():
             stored = format_of(fmt, weight_name)
-            assert (stored is INT8) == (weight_name == "lm_head.weight" or ".v_proj." in weight_name)
+            assert (stored is INT8) == (".v_proj." in weight_name)
+            assert (stored is INT6) == (weight_name == "lm_head.weight")
             if stored is INT8:
                 continue
-            weight = source[weight_name]
+            weight = source.get(weight_name, source["model.embed_tokens.weight"])
             packed, scales = file.get_tensor(weight_name + WEIGHT_SUFFIX), file.get_tensor(weight_name + SCALE_SUFFIX)
-            nearest = QUANTIZE[fmt.name](weight)[0]
+            nearest = QUANTIZE[stored.name](weight)[0]
             differs += not torch.equal(packed, nearest)
-            assert torch.isfinite(dequantize(fmt, packed, scales, weight.shape[0])).all()
-    assert differs == sum(format_of(fmt, name) is fmt for name in names.values())
+            assert torch.isfinite(dequantize(stored, packed, scales, weight.shape[0])).all()
+    assert differs == sum(format_of(fmt, name) is not INT8 for name in names.values())
 
 
 def test_a_model_whose_layers_are_not_found_is_left_to_nearest_rounding():

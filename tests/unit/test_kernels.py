@@ -24,13 +24,19 @@ from service.engine import kernels
 from service.engine.quantized import (
     INT4,
     INT4M,
+    INT6,
     INT8,
     QUANTIZE,
     dequantize,
+    pack_int6,
+    padded_rows,
     quantize_int4,
     quantize_int4m,
+    quantize_int6,
     quantize_int8,
     rotate_groups,
+    tile_scales,
+    unpack_int6,
 )
 from service.settings import Settings
 from tests.support import torch_threads
@@ -42,7 +48,9 @@ MAX_RUNNING = Settings().max_running
 SHAPES = [(1, 64), (3, 96), (37, 128), (129, 192), (300, 896), (61, 4864), (5, 32)]
 # Every batch size the batcher uses, and prompt chunks across the kernel's 64-row chunk.
 ROWS = list(range(1, MAX_RUNNING + 1)) + [63, 64, 65, 130]
-FORMATS = [INT8, INT4, INT4M]
+FORMATS = [INT8, INT4, INT4M, INT6]
+# The formats whose weight groups and activation blocks are rotated.
+ROTATED = (INT8, INT6)
 FORMAT_IDS = [fmt.name for fmt in FORMATS]
 SMALLEST_NORMAL = torch.finfo(torch.float32).smallest_normal
 # The smallest largest magnitude whose block scale (largest / 127) is normal: smaller blocks quantize to zeros.
@@ -94,10 +102,10 @@ def activation_blocks(fmt, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     and the scale it keeps (int8's carrying the rotation's 1 / sqrt(32); 0 unless normal)."""
     rows, width = inputs.shape
     blocks = inputs.float().reshape(rows, width // 32, 32)
-    if fmt is INT8:
+    if fmt in ROTATED:
         blocks = butterfly(blocks)
     steps = blocks.abs().amax(dim=2) / 127
-    block_scales = steps * (1 / torch.tensor(32.0).sqrt()) if fmt is INT8 else steps
+    block_scales = steps * (1 / torch.tensor(32.0).sqrt()) if fmt in ROTATED else steps
     return blocks, steps, torch.where(block_scales >= SMALLEST_NORMAL, block_scales, torch.zeros_like(block_scales))
 
 
@@ -109,7 +117,7 @@ def rounded_activations(fmt, inputs: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(block_scales > 0, 1 / steps, torch.zeros_like(steps))
     levels = torch.round(blocks * inverse[:, :, None]).clamp(-127, 127)
     activations = (levels * block_scales[:, :, None]).double().reshape(rows, width)
-    return rotate_groups(activations) if fmt is INT8 else activations
+    return rotate_groups(activations) if fmt in ROTATED else activations
 
 
 def expected_product(fmt, inputs: torch.Tensor, weight, scales, outputs: int) -> torch.Tensor:
@@ -199,12 +207,12 @@ def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path
 def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator):
     """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every
     group), so that tiny activations give products that stay normal floats."""
-    low, high = (-127, 127) if fmt is INT8 else (-8, 7)
+    low, high = {INT8: (-127, 127), INT6: (-31, 31)}.get(fmt, (-8, 7))
     weight = torch.randint(low, high + 1, (outputs, inputs), generator=generator).double()
     weight[:, ::32] = low
     weight[:, 1::32] = high  # int4m's scale is its group's range / 15
-    # int8 stores each group rotated: rotating the integers first makes the stored groups the integers.
-    return quantize_int8(rotate_groups(weight)) if fmt is INT8 else QUANTIZE[fmt.name](weight.float())
+    # int8 and int6 store each group rotated: rotating the integers first makes the stored groups the integers.
+    return QUANTIZE[fmt.name](rotate_groups(weight) if fmt in ROTATED else weight.float())
 
 
 def float_next(value: float, toward: float) -> float:
@@ -247,7 +255,7 @@ def test_a_block_too_small_for_a_normal_scale_quantizes_to_zeros_on_every_path(f
         x[1] = -x[1]
         x[2, 1::2] = 0.0
         counted = (activation_blocks(fmt, x)[2] > 0).any(dim=1)
-        if fmt is not INT8:
+        if fmt not in ROTATED:
             assert counted.all().item() == (largest >= SCALE_BOUND), largest
         for path in kernels.available_paths():
             got = product(fmt, x, weight, scales, outputs, path=path)
@@ -455,6 +463,44 @@ def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():
     assert ((reference.double() - want).abs() <= bound).all()
     for path in simd_paths():
         assert same_bits(product(INT8, x, stored, scales, outputs, path=path), reference), path
+
+
+def test_int6_reads_every_stored_value_at_every_place_of_its_layout_on_every_path():
+    """Stored 6-bit values 0..63 anywhere in a tile's block (0 too, which the converter never writes) come
+    back from pack_int6's layout as they went in, and every path's product over them is the rounded
+    activations times those weights (less 32 steps each), up to float32 summing, with the reference's bits."""
+    generator = torch.Generator().manual_seed(13)
+    outputs, inputs = 37, 256
+    values = torch.randint(0, 64, (padded_rows(outputs), inputs), generator=generator, dtype=torch.uint8)
+    values[0, :64] = torch.arange(64, dtype=torch.uint8)
+    packed = pack_int6(values)
+    assert packed.shape == (padded_rows(outputs), inputs * 3 // 4)
+    assert torch.equal(unpack_int6(packed), values.float())
+    scales = tile_scales((torch.rand(outputs, inputs // 32, generator=generator) * 0.01 + 1e-3).half())
+    restored = dequantize(INT6, packed, scales, outputs)
+    x = torch.randn(5, inputs, generator=generator)
+    bound = (x.abs().double() @ restored.abs().double().t()) * 3e-5
+    reference = product(INT6, x, packed, scales, outputs)
+    assert ((reference.double() - expected_product(INT6, x, packed, scales, outputs)).abs() <= bound).all()
+    for path in simd_paths():
+        for rows in (1, 2, 5):
+            got = product(INT6, x[:rows], packed, scales, outputs, path=path)
+            assert same_bits(got, reference[:rows]), (path, rows)
+
+
+def test_int6_quantization_bounds_the_error_by_half_a_rotated_step():
+    """Each rotated group is rounded to -31..31 steps of its largest magnitude / 31: every group comes back
+    within half a step per rotated weight (the float16 scale's rounding aside), as int8's within half of
+    its 127ths."""
+    generator = torch.Generator().manual_seed(14)
+    outputs, inputs = 37, 256
+    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+    weight[:, 96:128] *= 100
+    stored, scales = quantize_int6(weight)
+    restored = dequantize(INT6, stored, scales, outputs)
+    half_step = rotate_groups(weight).reshape(outputs, -1, 32).abs().amax(dim=2) / 62 * (1 + 2**-10)
+    assert ((restored - weight).reshape(outputs, -1, 32).norm(dim=2) <= half_step * 32**0.5).all()
+    assert (unpack_int6(stored)[:outputs] >= 1).all()
 
 
 @pytest.mark.parametrize("isa", [kernels.AVX512_VNNI, kernels.AMX], ids=["avx512_vnni", "amx"])

@@ -43,7 +43,8 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 constexpr TileConfig kTileConfig{};
 
 // Tile `tile` of the weights as signed int8, block after block: int8 less its offset of 128 (its top
-// bit flipped); int4 unpacked, each nibble less 8; int4 with minimums unpacked as it is (0..15).
+// bit flipped); int4 unpacked, each nibble less 8; int6 unpacked, less 32; int4 with minimums
+// unpacked as it is (0..15).
 template <int Format>
 void signed_weights(const Weights& w, int64_t tile, int8_t* out) {
     const int64_t blocks = w.inputs / kBlock;
@@ -58,9 +59,10 @@ void signed_weights(const Weights& w, int64_t tile, int8_t* out) {
             const __m512i nibbles = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(weight_offset(Format)));
             for (int p = 0; p < kBlock / kGroupInputs / 2; ++p) {
                 const __m512i packed = _mm512_loadu_si512(stored + p * kGroupBytes);
-                _mm512_storeu_si512(block + p * kGroupBytes, _mm512_sub_epi8(_mm512_and_si512(packed, nibbles), offset));
-                _mm512_storeu_si512(block + (p + 4) * kGroupBytes,
-                                    _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibbles), offset));
+                __m512i low = _mm512_and_si512(packed, nibbles), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibbles);
+                if constexpr (top_bits(Format)) add_top_bits(stored, p, low, high);
+                _mm512_storeu_si512(block + p * kGroupBytes, _mm512_sub_epi8(low, offset));
+                _mm512_storeu_si512(block + (p + 4) * kGroupBytes, _mm512_sub_epi8(high, offset));
             }
         }
     }
@@ -176,6 +178,8 @@ void matmul_amx(const QuantizedRows& x, const Weights& w, const float* bias, Out
         amx_matmul<kInt8Groups>(x, w, bias, out, begin, end);
     } else if (w.format == kInt4Groups) {
         amx_matmul<kInt4Groups>(x, w, bias, out, begin, end);
+    } else if (w.format == kInt6Groups) {
+        amx_matmul<kInt6Groups>(x, w, bias, out, begin, end);
     } else {
         amx_matmul<kInt4Mins>(x, w, bias, out, begin, end);
     }

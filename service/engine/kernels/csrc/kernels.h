@@ -7,7 +7,7 @@
 //     even) and each block's sum of its int8 values is kept; a block holding NaN or inf has s_x =
 //     NaN (its values 0), which makes every output of its row NaN; a block whose s_x = largest
 //     magnitude / 127 would be below FLT_MIN has s_x = 0 (values 0);
-//   - for kInt8Groups, each activation block is first rotated by the 32 x 32 Hadamard matrix
+//   - for kInt8Groups and kInt6Groups, each activation block is first rotated by the 32 x 32 Hadamard matrix
 //     (rotate_block), as the converter rotated each weight group: H is orthogonal, so the product
 //     is unchanged, while an outlier's magnitude is spread over its whole block, which the rounding
 //     then keeps finer. The butterfly's sums are sqrt(32) times the rotated values: s_x is rounded
@@ -17,8 +17,8 @@
 //     row and block (float16, widened), the same for every format; kInt4Mins then adds its
 //     group's minimum m_w (float16, widened): acc = fma(m_w, s_x * float(block's sum), acc);
 //     then plus the bias, rounded to the output type.
-// The weights are stored with an offset that makes them unsigned (int8 + 128, int4 + 8; kInt4Mins'
-// steps above the minimum are unsigned already), the operand vpdpbusd wants unsigned; S is the
+// The weights are stored with an offset that makes them unsigned (int8 + 128, int6 + 32, int4 + 8;
+// kInt4Mins' steps above the minimum are unsigned already), the operand vpdpbusd wants unsigned; S is the
 // offset sum minus the offset times the block's sum of activations, which is exact and the same for
 // every output (kernels read it as the starting value of their integer sums).
 //
@@ -38,15 +38,23 @@ namespace corechat {
 
 constexpr int64_t kBlock = 32;  // activation block and weight group, in elements
 
-enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1, kInt4Mins = 2 };
+// kInt6Groups is no DTYPE of its own: the 4-bit DTYPEs store their output layer in it.
+enum WeightFormat : int { kInt8Groups = 0, kInt4Groups = 1, kInt4Mins = 2, kInt6Groups = 3 };
 
-// Whether a format packs two weights per byte (kInt4Groups, kInt4Mins), and whether it stores a
-// minimum beside each group's scale.
+constexpr bool known_format(int64_t format) { return format >= kInt8Groups && format <= kInt6Groups; }
+
+// Whether a format stores its weights' low 4 bits as nibbles (kInt4Groups, kInt4Mins, kInt6Groups),
+// whether it stores their top 2 bits after them (kInt6Groups), and whether it stores a minimum beside
+// each group's scale.
 constexpr bool packed_nibbles(int64_t format) { return format != kInt8Groups; }
+constexpr bool top_bits(int64_t format) { return format == kInt6Groups; }
 constexpr bool group_minimums(int64_t format) { return format == kInt4Mins; }
 
 // Whether a format's weight groups are stored rotated, and its activation blocks rotated to match.
-constexpr bool rotated_blocks(int64_t format) { return format == kInt8Groups; }
+constexpr bool rotated_blocks(int64_t format) { return format == kInt8Groups || format == kInt6Groups; }
+
+// Bits a format stores per weight, its scales aside.
+constexpr int64_t weight_bits(int64_t format) { return format == kInt8Groups ? 8 : format == kInt6Groups ? 6 : 4; }
 
 // Activations rounded to int8 per block: the values, one scale per block and the block's sum.
 struct QuantizedRows {
@@ -66,6 +74,10 @@ struct QuantizedRows {
 //   kInt4Groups: a block is 4 loads, 256 bytes: byte 16 * 4 * p + 4 * row + k holds weight (row,
 //     4p + k) + 8 in its low nibble and weight (row, 4(p + 4) + k) + 8 in its high nibble.
 //   kInt4Mins: as kInt4Groups, each nibble the weight's steps above its group's minimum (0..15).
+//   kInt6Groups: 384 bytes, kInt4Groups' 256 bytes of nibbles holding each weight + 32's low 4 bits,
+//     then two 64-byte loads of top bits: bits 0-1, 2-3, 4-5, 6-7 of byte 64 * q + 4 * row + k
+//     are the top 2 bits of the weight whose low nibble is that of byte 4 * row + k of nibble load
+//     2q (low), 2q (high), 2q + 1 (low), 2q + 1 (high).
 //   scales: float16 bits [tiles, blocks, kTileOutputs] (one per row per block of 32 inputs, a tile's
 //     block's 16 side by side); for kInt4Mins [tiles, blocks, 2, kTileOutputs], the block's 16
 //     scales and then its 16 minimums, so one 64-byte line holds both.
@@ -74,11 +86,12 @@ constexpr int64_t kGroupInputs = 4;
 constexpr int64_t kGroupBytes = kTileOutputs * kGroupInputs;  // one vpdpbusd's weights
 static_assert(kBlock % (2 * kGroupInputs) == 0 && kGroupBytes == 64, "a block is whole 64-byte loads");
 constexpr int64_t kInt8Offset = 128;
+constexpr int64_t kInt6Offset = 32;
 constexpr int64_t kInt4Offset = 8;
 
 // The offset a format's stored weights carry.
 constexpr int32_t weight_offset(int64_t format) {
-    return format == kInt8Groups ? kInt8Offset : format == kInt4Groups ? kInt4Offset : 0;
+    return format == kInt8Groups ? kInt8Offset : format == kInt6Groups ? kInt6Offset : format == kInt4Groups ? kInt4Offset : 0;
 }
 
 struct Weights {
@@ -94,7 +107,7 @@ namespace {
 constexpr int64_t padded_outputs(int64_t outputs) { return (outputs + kTileOutputs - 1) / kTileOutputs * kTileOutputs; }
 
 // Bytes of one tile's block.
-constexpr int64_t block_bytes(int format) { return packed_nibbles(format) ? kTileOutputs * kBlock / 2 : kTileOutputs * kBlock; }
+constexpr int64_t block_bytes(int format) { return kTileOutputs * kBlock * weight_bits(format) / 8; }
 
 // Float16 values stored per tile block: the 16 scales, and for kInt4Mins the 16 minimums after them.
 constexpr int64_t block_scales(int format) { return group_minimums(format) ? 2 * kTileOutputs : kTileOutputs; }

@@ -360,7 +360,7 @@ void run_products(int64_t model, int64_t rows) {
     };
     // A product's input width, from its stored weight: int8 a byte per input, int4 half a byte.
     const auto width_of = [](const at::Tensor& weight, int64_t format) {
-        return weight.size(1) * (packed_nibbles(format) ? 2 : 1);
+        return weight.size(1) * 8 / weight_bits(format);
     };
     const auto narrow = inputs_of(width_of(first.attention_weights[0], first.attention_formats[0])),
                attended = inputs_of(width_of(first.mlp_weights[0], first.mlp_formats[0])),

@@ -134,10 +134,10 @@ std::vector<std::string> paths() {
 // its own constants against these when it loads. Names and values side by side (a Dict return
 // trips a warning inside torch's headers).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> layout() {
-    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int4_offset", "int8_groups", "int4_groups",
-             "int4_mins", "int8_rotated"},
-            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt4Offset, kInt8Groups, kInt4Groups, kInt4Mins,
-             rotated_blocks(kInt8Groups)}};
+    return {{"block", "tile_outputs", "group_inputs", "int8_offset", "int6_offset", "int4_offset", "int8_groups",
+             "int4_groups", "int4_mins", "int6_groups", "int8_rotated", "int6_rotated"},
+            {kBlock, kTileOutputs, kGroupInputs, kInt8Offset, kInt6Offset, kInt4Offset, kInt8Groups, kInt4Groups,
+             kInt4Mins, kInt6Groups, rotated_blocks(kInt8Groups), rotated_blocks(kInt6Groups)}};
 }
 
 }  // namespace
@@ -189,12 +189,9 @@ Job prepare(const QuantizedInput& input, const ProductSpec& spec, int64_t first_
                 "weight must hold the outputs padded to a multiple of ", kTileOutputs, " rows");
     TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (weights stored with their offset)");
     const int64_t blocks = inputs / kBlock;
-    TORCH_CHECK(format == kInt8Groups || format == kInt4Groups || format == kInt4Mins, "unknown weight format ", format);
-    if (packed_nibbles(format)) {
-        TORCH_CHECK(weight.size(1) * 2 == inputs, "int4 weight must be [padded rows, inputs / 2]");
-    } else {
-        TORCH_CHECK(weight.size(1) == inputs, "int8 weight must be [padded rows, inputs]");
-    }
+    TORCH_CHECK(known_format(format), "unknown weight format ", format);
+    TORCH_CHECK(weight.size(1) * 8 == inputs * weight_bits(format), "a weight of ", weight_bits(format),
+                " bits must be [padded rows, inputs * ", weight_bits(format), " / 8] bytes");
     TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == stored / kTileOutputs * blocks * block_scales(format),
                 "scales must be float16 [padded rows / 16, inputs / 32, 16] (int4 with minimums: [..., 2, 16])");
     const float* bias_data = nullptr;

@@ -24,8 +24,13 @@ inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, in
     const uint8_t* data = tile_block(w, output / kTileOutputs, block);
     const int64_t row = output % kTileOutputs, group = input / kGroupInputs, k = input % kGroupInputs;
     if (w.format == kInt8Groups) return data[group * kGroupBytes + row * kGroupInputs + k];
-    const uint8_t packed = data[(group % 4) * kGroupBytes + row * kGroupInputs + k];
-    return group < 4 ? (packed & 0x0f) : (packed >> 4);
+    const int64_t load = group % 4, byte = row * kGroupInputs + k;
+    const uint8_t packed = data[load * kGroupBytes + byte];
+    const int32_t nibble = group < 4 ? (packed & 0x0f) : (packed >> 4);
+    if (!top_bits(w.format)) return nibble;
+    const uint8_t top = data[4 * kGroupBytes + (load / 2) * kGroupBytes + byte];
+    const int shift = 4 * (load % 2) + (group < 4 ? 0 : 2);
+    return nibble | (((top >> shift) & 0x3) << 4);
 }
 
 // Eight floats as one value of GCC's vector extension: plain C++ that each build lowers to its own
