@@ -44,9 +44,9 @@ def weight_bytes_per_token(model_dir: Path, dtype: str) -> dict:
     embedding = element_counts.get("model.embed_tokens.weight", 0)
     read = total if config.get("tie_word_embeddings") else total - embedding
     # int8 and int4: a byte or half a byte per weight and a float16 scale per 32 (int4m a float16 minimum too);
-    # the 4-bit formats' output layer is int8.
+    # the 4-bit formats' output layer is int6 (three quarters of a byte and the scale).
     element_bytes = {"bfloat16": 2, "float32": 4, "int8": 1.0625, "int4": 0.5625, "int4m": 0.625}[dtype]
     output = embedding if config.get("tie_word_embeddings") else element_counts.get("lm_head.weight", 0)
-    output_bytes = {"int4": 1.0625, "int4m": 1.0625}.get(dtype, element_bytes)
+    output_bytes = {"int4": 0.8125, "int4m": 0.8125}.get(dtype, element_bytes)
     return {"parameters": total, "parameters_read_per_token": read,
             "bytes_per_token": (read - output) * element_bytes + output * output_bytes}
