@@ -1,9 +1,10 @@
 """What each part of int4m's rounding buys on SmolLM2 moved off its grid, on the float32 forward.
 
 `python bench/probes/grid_probe.py` rounds SmolLM2-135M-Instruct, its weights moved off their GGUF grid
-(bench/off_grid.py), as `DTYPE=int4m` converts it (service/engine/quantized.py and gptq.py: value products
-and the output layer in int8, the rest by GPTQ on the calibration text, each group's grid searched by the
-error weighted by its inputs' mean square), and with one part changed at a time: the plain q4_1 grid
+(bench/off_grid.py), as `DTYPE=int4m` converts its decoder layers (service/engine/quantized.py and gptq.py:
+value products in int8, the rest by GPTQ on the calibration text, each group's grid searched by the error
+weighted by its inputs' mean square; the output layer held at int8 here, where the format's is int6, which
+bench/probes/rounding.py measures alone), and with one part changed at a time: the plain q4_1 grid
 instead of the search, each weight to its nearest level instead of GPTQ, and GPTQ's damping at 0.1,
 0.3 and 3 instead of 1. Each variant's weights are dequantized into transformers' float32 forward and
 scored as bench/probes/rounding.py scores its roundings (KL divergence from float32 over bench/quality.py's

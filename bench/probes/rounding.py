@@ -10,7 +10,8 @@ divergence from the plain float32 forward and its top-1 agreement:
 - int8 weights plus the activations rounded to int8 per block of 32, as the kernels round every
   product's input, unrotated (as q8_0) and rotated (as the kernels do for int8), and int4's;
 - those plus bfloat16 where the served forward keeps bfloat16 (the embedding, each layer's output,
-  and the query, key, value, attention-output and down products' outputs).
+  and the query, key, value, attention-output and down products' outputs);
+- the output layer alone, at int8 and at int6 (the 4-bit formats'), nearest and by GPTQ.
 It splits bench/quality.py's end-to-end figure into its causes, so a format idea can be judged
 before a kernel is written. Results: bench/results/<machine>/rounding.json and .md.
 """
@@ -31,9 +32,11 @@ from bench.quality import TEXT, WINDOW, Tally, read_text, scored_positions, text
 from service.engine.converted import OUTPUT_LAYER  # noqa: E402
 from service.engine.quantized import (  # noqa: E402
     INT4,
+    INT6,
     INT8,
     dequantize,
     quantize_int4,
+    quantize_int6,
     quantize_int8,
     rotate_groups,
 )
@@ -183,10 +186,30 @@ def save_variants(name: str, title: str, model_name: str, windows: list[list[int
                  f"{scored_tokens} scored)\n\n" + "\n".join(rows) + "\n")
 
 
+def output_variants(model, tokenizer) -> dict:
+    """Return the variants that round the output layer alone: int8 and int6 as the nearest rounding, and
+    int6 by GPTQ on the decoder's output over the converter's calibration text (the 4-bit formats' output
+    layer, converted.py)."""
+    from service.engine.calibration import calibration_windows
+
+    with torch.inference_mode():
+        states = model.model(input_ids=calibration_windows(tokenizer)).last_hidden_state
+    flat = states.reshape(-1, states.shape[-1]).float()
+    moments = flat.T @ flat
+
+    def int6_gptq(weight: torch.Tensor) -> torch.Tensor:
+        return dequantize(INT6, *quantize_int6(weight, moments), weight.shape[0])
+
+    return {"output layer alone: int8": (torch.clone, stored(INT8, quantize_int8), None, False),
+            "output layer alone: int6, nearest": (torch.clone, stored(INT6, quantize_int6), None, False),
+            "output layer alone: int6, GPTQ on the calibration text": (torch.clone, int6_gptq, None, False)}
+
+
 def main() -> None:
     """Score every variant and save the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="rounding", help="the results file's name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from devtools.smollm2 import gguf_path
@@ -194,9 +217,10 @@ def main() -> None:
     from service.settings import Settings
 
     folder = converted_folder(gguf_path(), Path(Settings().converted_weights_dir))
-    model, _, windows, reference, originals = scored_model(folder)
-    variants = {name: run_variant(model, reference, windows, *variant, originals) for name, variant in VARIANTS.items()}
-    save_variants("rounding", "Each rounding alone on SmolLM2-135M-Instruct's float32 forward", folder.name, windows,
+    model, tokenizer, windows, reference, originals = scored_model(folder)
+    chosen = {**VARIANTS, **output_variants(model, tokenizer)}
+    variants = {name: run_variant(model, reference, windows, *variant, originals) for name, variant in chosen.items()}
+    save_variants(args.name, "Each rounding alone on SmolLM2-135M-Instruct's float32 forward", folder.name, windows,
                   variants)
 
 

@@ -48,9 +48,10 @@ DIGEST = "digest"
 
 def format_of(fmt: WeightFormat, weight_name: str) -> WeightFormat:
     """Return the format a weight is stored in under DTYPE `fmt`. The output layer: int8 under int8, and
-    int6 under the 4-bit formats, as llama.cpp's q4_0 and q4_K_M keep it at 6 bits (q6_K). The 4-bit
-    formats' value products: int8, as q4_K_M keeps them at more bits: on SmolLM2 they are 3% of a
-    layer's weights and, rounded to 4 bits alone, a third of int4m's KL divergence."""
+    int6 under the 4-bit formats, as llama.cpp's q4_0 and q4_K_M keep it at 6 bits (q6_K; q8_0 where
+    its rows are not whole multiples of 256, as on Qwen2.5-0.5B and SmolLM2). The 4-bit formats' value
+    products: int8, as q4_K_M keeps them at more bits: on SmolLM2 they are 3% of a layer's weights
+    and, rounded to 4 bits alone, a third of int4m's KL divergence."""
     if weight_name == OUTPUT_LAYER:
         return INT6 if fmt in PACKED else INT8
     if fmt in PACKED and weight_name.endswith(VALUE_SUFFIX):

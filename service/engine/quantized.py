@@ -9,7 +9,8 @@ value product in int8 (converted.py: format_of), and round the rest by GPTQ on a
         q8_0 (8.5 bits per weight).
   int4: groups of 32 weights, one float16 scale each (symmetric, -8..7), two groups' weights
         sharing a byte's nibbles (4.5 bits per weight); the output layer is int6, as llama.cpp's
-        q4_0 keeps its output layer at 6 bits (q6_K): the logits' own rounding weighs most.
+        q4_0 keeps its output layer at 6 bits (q6_K, or q8_0 for rows that are not whole multiples
+        of 256): the logits' own rounding weighs most.
   int4m: int4's layout with a float16 scale and a float16 minimum per group of 32, each weight
         0..15 steps above its group's minimum, as llama.cpp's q4_1 (5 bits per weight); the output
         layer is int6.
@@ -33,7 +34,7 @@ from . import gptq
 
 # Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
 # changes, so a file written by another version is never read as this one's.
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 # The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
 # which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
 # file's name and metadata carry them, so a file of another layout is never read.
@@ -410,7 +411,7 @@ def int6_grid(groups: torch.Tensor, importance: torch.Tensor | None) -> tuple[to
 def quantize_int6(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix as int8 does (rotated groups of 32, symmetric, a float16 scale each), to
     -31..31 steps, stored + 32 in 6 bits (pack_int6). llama.cpp keeps its 4-bit types' output layer in
-    6 bits (q6_K) too: the logits' rounding weighs most, and int4 there costs too much. With the
+    6 bits (q6_K) too, or 8: the logits' rounding weighs most, and int4 there costs too much. With the
     inputs' second moments, rounded by GPTQ (gptq.py) on the same grid, in the rotated space: the
     moments rotated on both sides as the weights' groups are."""
     outputs, inputs = weight.shape
