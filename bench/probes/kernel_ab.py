@@ -9,7 +9,8 @@ order alternating round by round. A change to a kernel is then judged by the rat
 step times taken moments apart on the same weights, which a shared machine's drift moves far less
 than two runs' absolute figures. Each library multiplies weights converted by its own revision's
 service/engine/quantized.py, so a revision that stores a format otherwise is timed on its own
-format. It first checks that both give the same bits (every path must; not compared where the two
+format (int6, the 4-bit formats' output layer, runs as every product's format, against revisions that
+have it). It first checks that both give the same bits (every path must; not compared where the two
 read different layouts), prints a table and writes bench/results/<machine>/<name>.json and .md
 (--name, default kernel-ab) with the CPU, date and both revisions.
 """
@@ -79,7 +80,7 @@ def step_weights(converter, fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, 
 
 def run_step(operator, fmt: str, weights, activations: dict[int, torch.Tensor], path: int) -> list[torch.Tensor]:
     """Multiply every weight of a step by the activations of its width with one library's operator."""
-    code = quantized.FORMATS[fmt].code
+    code = quantized.STORED_FORMATS[fmt].code
     return [operator(activations[inputs], weight, scales, None, code, outputs, False, path)
             for weight, scales, outputs, inputs in weights]
 
@@ -118,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="the git revision to compare the working tree with")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8])
-    parser.add_argument("--formats", nargs="+", choices=sorted(quantized.FORMATS), default=["int8", "int4"])
+    parser.add_argument("--formats", nargs="+", choices=sorted(quantized.STORED_FORMATS), default=["int8", "int4"])
     parser.add_argument("--path", choices=sorted(kernels.PATHS), default="best", help="the kernel path both run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)

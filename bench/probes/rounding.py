@@ -11,7 +11,8 @@ divergence from the plain float32 forward and its top-1 agreement:
   product's input, unrotated (as q8_0) and rotated (as the kernels do for int8), and int4's;
 - those plus bfloat16 where the served forward keeps bfloat16 (the embedding, each layer's output,
   and the query, key, value, attention-output and down products' outputs);
-- the output layer alone, at int8 and at int6 (the 4-bit formats'), nearest and by GPTQ.
+- the output layer alone, at int8 and at int6 (the 4-bit formats'), nearest and by GPTQ, and at the
+  widths beside int6 (5 and 7 bits).
 It splits bench/quality.py's end-to-end figure into its causes, so a format idea can be judged
 before a kernel is written. Results: bench/results/<machine>/rounding.json and .md.
 """
@@ -39,6 +40,7 @@ from service.engine.quantized import (  # noqa: E402
     quantize_int6,
     quantize_int8,
     rotate_groups,
+    rotated_levels,
 )
 
 GROUP = 32
@@ -186,10 +188,20 @@ def save_variants(name: str, title: str, model_name: str, windows: list[list[int
                  f"{scored_tokens} scored)\n\n" + "\n".join(rows) + "\n")
 
 
+def rotated_symmetric(largest: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return the nearest rounding of int8's and int6's rule at another width: rotated groups of 32 at
+    -largest..largest steps of a float16 scale (5 bits: 15, 7 bits: 63)."""
+    def rounding(weight: torch.Tensor) -> torch.Tensor:
+        scales, levels = rotated_levels(weight, largest)
+        steps = levels.reshape(weight.shape[0], -1, GROUP) * scales.float()[:, :, None]
+        return rotate_groups(steps.reshape(weight.shape))
+    return rounding
+
+
 def output_variants(model, tokenizer) -> dict:
     """Return the variants that round the output layer alone: int8 and int6 as the nearest rounding, and
     int6 by GPTQ on the decoder's output over the converter's calibration text (the 4-bit formats' output
-    layer, converted.py)."""
+    layer, converted.py); and the widths beside int6, 5 and 7 bits, as the nearest rounding."""
     from service.engine.calibration import calibration_windows
 
     with torch.inference_mode():
@@ -202,7 +214,9 @@ def output_variants(model, tokenizer) -> dict:
 
     return {"output layer alone: int8": (torch.clone, stored(INT8, quantize_int8), None, False),
             "output layer alone: int6, nearest": (torch.clone, stored(INT6, quantize_int6), None, False),
-            "output layer alone: int6, GPTQ on the calibration text": (torch.clone, int6_gptq, None, False)}
+            "output layer alone: int6, GPTQ on the calibration text": (torch.clone, int6_gptq, None, False),
+            "output layer alone: 5 bits (-15..15), nearest": (torch.clone, rotated_symmetric(15), None, False),
+            "output layer alone: 7 bits (-63..63), nearest": (torch.clone, rotated_symmetric(63), None, False)}
 
 
 def main() -> None:

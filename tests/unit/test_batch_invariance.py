@@ -1,5 +1,5 @@
-"""Which formats' products give a row its bits alone, at Qwen2.5-0.5B's own sizes: int8's, int4's and int4m's do,
-torch's bfloat16 products do not.
+"""Which formats' products give a row its bits alone, at Qwen2.5-0.5B's own sizes: int8's, int4's and int4m's do
+(and int6's, the 4-bit formats' output layer), torch's bfloat16 products do not.
 
 The tiny model's layers are too small to show which formats are invariant (torch's bfloat16 products
 change with the number of rows only at larger sizes), so the products are compared at the real
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from service.engine import kernels
-from service.engine.quantized import FORMATS, QUANTIZE
+from service.engine.quantized import QUANTIZE, STORED_FORMATS
 from service.settings import Settings
 
 # The formats whose rows are claimed not to depend on their batch (docs/performance.md): corechat's
 # own products. bfloat16 runs torch's, which are not (test_bfloat16_products_depend_on_the_batch_...).
-INVARIANT_FORMATS = ["int8", "int4", "int4m"]
+INVARIANT_FORMATS = ["int8", "int4", "int4m", "int6"]
 
 
 # Qwen2.5-0.5B's widest product, its MLP's down projection, and the rows of decode batches and prompt chunks.
@@ -32,7 +32,7 @@ def real_size_product(dtype: str):
     weight = torch.randn(REAL_OUTPUTS, REAL_INPUTS, generator=generator) * 0.02
     if dtype == "bfloat16":
         return lambda rows: F.linear(rows, weight.bfloat16())
-    fmt = FORMATS[dtype]
+    fmt = STORED_FORMATS[dtype]
     stored, scales = QUANTIZE[dtype](weight)
     return lambda rows: torch.ops.corechat.quantized_linear(rows, stored, scales, None, fmt.code, REAL_OUTPUTS, False)
 
