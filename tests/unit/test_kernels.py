@@ -439,36 +439,39 @@ def test_int4m_stores_weights_on_a_q4_1_grid_exactly():
             .abs() <= bound).all()
 
 
-def test_int8_keeps_each_groups_precision_beside_a_hundredfold_outlier_group():
+@pytest.mark.parametrize("fmt", ROTATED, ids=lambda fmt: fmt.name)
+def test_a_rotated_format_keeps_each_groups_precision_beside_a_hundredfold_outlier_group(fmt):
     """Each group of 32 has its own scale: in rows where one group is 100x the others, every group comes
-    back within half its own step per rotated weight (its rotated largest magnitude / 254, the float16
-    scale's rounding aside; the rotation keeps the error's length), where one scale per row made the
-    small groups' step 100x coarser; and on every path the product is the rounded activations times
-    those weights, up to float32 summing."""
+    back within half its own step per rotated weight (its rotated largest magnitude / 254 for int8, / 62
+    for int6's -31..31, the float16 scale's rounding aside; the rotation keeps the error's length), where
+    one scale per row made the small groups' step 100x coarser; and on every path the product is the
+    rounded activations times those weights, up to float32 summing."""
     generator = torch.Generator().manual_seed(12)
     outputs, inputs = 37, 256
     weight = torch.randn(outputs, inputs, generator=generator) * 0.05
     weight[:, 96:128] *= 100
-    stored, scales = quantize_int8(weight)
-    restored = dequantize(INT8, stored, scales, outputs)
+    stored, scales = QUANTIZE[fmt.name](weight)
+    restored = dequantize(fmt, stored, scales, outputs)
     groups, restored_groups = weight.reshape(outputs, -1, 32), restored.reshape(outputs, -1, 32)
-    half_step = rotate_groups(weight).reshape(outputs, -1, 32).abs().amax(dim=2) / 254 * (1 + 2**-10)
+    steps = {INT8: 254, INT6: 62}[fmt]
+    half_step = rotate_groups(weight).reshape(outputs, -1, 32).abs().amax(dim=2) / steps * (1 + 2**-10)
     assert ((restored_groups - groups).norm(dim=2) <= half_step * 32**0.5).all()
     small = torch.arange(inputs // 32) != 3
     assert (half_step[:, small] < half_step[:, 3:4] / 20).all()
     x = torch.randn(5, inputs, generator=generator)
-    want = expected_product(INT8, x, stored, scales, outputs)
+    want = expected_product(fmt, x, stored, scales, outputs)
     bound = (x.abs().double() @ restored.abs().double().t()) * 3e-5
-    reference = product(INT8, x, stored, scales, outputs)
+    reference = product(fmt, x, stored, scales, outputs)
     assert ((reference.double() - want).abs() <= bound).all()
     for path in simd_paths():
-        assert same_bits(product(INT8, x, stored, scales, outputs, path=path), reference), path
+        assert same_bits(product(fmt, x, stored, scales, outputs, path=path), reference), path
 
 
 def test_int6_reads_every_stored_value_at_every_place_of_its_layout_on_every_path():
     """Stored 6-bit values 0..63 anywhere in a tile's block (0 too, which the converter never writes) come
     back from pack_int6's layout as they went in, and every path's product over them is the rounded
-    activations times those weights (less 32 steps each), up to float32 summing, with the reference's bits."""
+    activations times those weights (less 32 steps each), up to float32 summing, with the reference's
+    bits; the converter stores its -31..31 levels as 1..63."""
     generator = torch.Generator().manual_seed(13)
     outputs, inputs = 37, 256
     values = torch.randint(0, 64, (padded_rows(outputs), inputs), generator=generator, dtype=torch.uint8)
@@ -486,21 +489,7 @@ def test_int6_reads_every_stored_value_at_every_place_of_its_layout_on_every_pat
         for rows in (1, 2, 5):
             got = product(INT6, x[:rows], packed, scales, outputs, path=path)
             assert same_bits(got, reference[:rows]), (path, rows)
-
-
-def test_int6_quantization_bounds_the_error_by_half_a_rotated_step():
-    """Each rotated group is rounded to -31..31 steps of its largest magnitude / 31: every group comes back
-    within half a step per rotated weight (the float16 scale's rounding aside), as int8's within half of
-    its 127ths."""
-    generator = torch.Generator().manual_seed(14)
-    outputs, inputs = 37, 256
-    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
-    weight[:, 96:128] *= 100
-    stored, scales = quantize_int6(weight)
-    restored = dequantize(INT6, stored, scales, outputs)
-    half_step = rotate_groups(weight).reshape(outputs, -1, 32).abs().amax(dim=2) / 62 * (1 + 2**-10)
-    assert ((restored - weight).reshape(outputs, -1, 32).norm(dim=2) <= half_step * 32**0.5).all()
-    assert (unpack_int6(stored)[:outputs] >= 1).all()
+    assert (unpack_int6(quantize_int6(torch.randn(outputs, inputs, generator=generator))[0]) >= 1).all()
 
 
 @pytest.mark.parametrize("isa", [kernels.AVX512_VNNI, kernels.AMX], ids=["avx512_vnni", "amx"])
