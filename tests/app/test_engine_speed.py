@@ -168,8 +168,9 @@ def test_quantized_weights_are_converted_once_into_a_versioned_shared_file_and_g
     with started_engine(make_settings(dtype=dtype, converted_weights_dir=str(tmp_path), max_model_len=1024)) as engine:
         assert engine.facts.converted_weights == converted
         assert os.stat(converted).st_mtime_ns == written_at
-        # The output layer is int8 in both formats (converted.format_of), the layers in the DTYPE's.
-        assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.model.lm_head.format.name == "int8"
+        # The output layer is int8 under int8 and int6 under int4 (converted.format_of), the layers in the DTYPE's.
+        assert isinstance(engine.model.lm_head, QuantizedLinear)
+        assert engine.model.lm_head.format.name == {"int8": "int8", "int4": "int6"}[dtype]
         assert engine.model.model.layers[0].mlp.down_proj.format.name == dtype
         text, finished = run_to_end(engine, prompt_of(engine, QUESTIONS[0]))
         assert finished.completion_tokens == 12 and finished.finish_reason == "length"
