@@ -3,7 +3,7 @@
 /*
  * The chat page: keeps the conversation, streams each reply from POST /v1/chat/completions, and
  * shows per reply the time to first token, tokens per second and whether the cache answered.
- * Model output is only ever put into the page as text (textContent), never as markup.
+ * Model output is only ever put into the page as text (textContent, text nodes), never as markup.
  */
 
 const API_KEY_STORAGE = "corechat.apiKey";
@@ -150,7 +150,9 @@ function applyEvent(reply, event) {
     }
     reply.deltas += 1;
     reply.text += choice.delta.content;
-    reply.content.textContent = reply.text;
+    // A text node per piece: setting the whole text again on every piece made a long reply cost the
+    // page its length squared (a 30,000-token stream kept a core busy for minutes).
+    reply.content.append(choice.delta.content);
     scrollToEnd();
   }
   if (choice.finish_reason) {

@@ -46,6 +46,15 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
+@pytest.fixture(autouse=True)
+def leave_the_page(request):
+    """After each test, leave the page: a reply still streaming (a test that failed before pressing
+    Stop) is aborted with it, so it neither runs to its length limit nor slows the tests after."""
+    yield
+    if "browser" in request.fixturenames:
+        request.getfixturevalue("browser").get("about:blank")
+
+
 def open_page(browser, base_url: str, api_key: str | None = TEST_API_KEY) -> None:
     """Load the page with a key already kept in local storage, as after a first visit."""
     browser.get(f"{base_url}/")
