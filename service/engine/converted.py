@@ -2,8 +2,8 @@
 (or in CONVERTED_WEIGHTS_DIR), converted once and memory-mapped by every worker.
 
 The file is memory-mapped like the model's own, so every worker reads the same page-cache pages, and
-it holds exactly the layout the kernels read (quantized.py): nothing is repacked per worker. Its name
-and metadata carry the format, its version, the layout and the model's fingerprint, so a file of any
+it holds exactly the layout the kernels read (quantized.py, tiles.py): nothing is repacked per worker.
+Its name and metadata carry the format, its version, the layout and the model's fingerprint, so a file of any
 other is converted again, never read; the metadata also holds a digest of its tensors. The 4-bit
 formats run the model once over the calibration text while converting (gptq.py): 2-2.5 minutes
 for Qwen2.5-0.5B on 2 cores, once.
@@ -28,13 +28,13 @@ from .quantized import (
     FORMAT_VERSION,
     INT6,
     INT8,
-    LAYOUT_TOKEN,
     PACKED,
     QUANTIZE,
     QuantizedLinear,
     WeightFormat,
     check_layout,
 )
+from .tiles import LAYOUT_TOKEN
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ value product in int8 (converted.py: format_of), and round the rest by GPTQ on a
   int6 (no DTYPE; the 4-bit DTYPEs' output layer): int8's rotated groups at -31..31, each weight's
         low 4 bits in int4's nibbles and its top 2 bits in a quarter-block after them (6.5 bits).
 Weights are stored with an offset that makes them unsigned (+128, +32, +8; int4m's steps need none), in
-tiles of 16 rows whose blocks of 32 inputs lie as the kernel's vpdpbusd reads them: 4 inputs of each of the 16 rows per
-64 bytes (kernels/csrc/kernels.h has the layout), so a tile streams one sequential run of memory.
+tiles of 16 rows whose blocks of 32 inputs lie as the kernel's vpdpbusd reads them (tiles.py lays them
+out; kernels/csrc/kernels.h reads them), so a tile streams one sequential run of memory.
 All products, prompt passes and decode steps alike, run torch.ops.corechat.quantized_linear: the
 activations are rounded to int8 in blocks of 32 and each output is summed in one fixed order, so a
 token's result depends neither on the other rows of its batch nor on how its prompt was cut.
@@ -31,22 +31,32 @@ import torch
 from torch import nn
 
 from . import gptq
+from .tiles import (
+    GROUP,
+    GROUP_INPUTS,
+    TILE_OUTPUTS,
+    pack_int6,
+    pack_nibbles,
+    pad_rows,
+    tile_int8,
+    tile_scales,
+    tile_scales_and_minimums,
+    unpack_int6,
+    unpack_nibbles,
+    untile_int8,
+    untile_scales,
+)
 
 # Part of the converted file's name and metadata (converted.py): bump it whenever what a format writes
 # changes, so a file written by another version is never read as this one's.
 FORMAT_VERSION = 11
-# The layout the kernels read (kernels.h: kBlock, kTileOutputs, kGroupInputs and the offsets),
-# which the converter writes: check_layout holds them to the loaded kernels' own, and the converted
-# file's name and metadata carry them, so a file of another layout is never read.
-GROUP = 32
-TILE_OUTPUTS = 16
-GROUP_INPUTS = 4
+# The offsets the kernels read (kernels.h), which the converter writes: check_layout holds them (and
+# tiles.py's layout) to the loaded kernels' own.
 INT8_OFFSET = 128
 INT6_OFFSET = 32
 INT4_OFFSET = 8
 # The levels each 4-bit format rounds to (int4's stored + INT4_OFFSET).
 INT4_LEVELS, INT4M_LEVELS = (-8, 7), (0, 15)
-LAYOUT_TOKEN = f"t{TILE_OUTPUTS}k{GROUP_INPUTS}g{GROUP}"
 
 
 @dataclass(frozen=True)
@@ -59,12 +69,15 @@ class WeightFormat:
     width_multiple: int
     # Bits stored per weight, the scales aside: a stored row of n inputs is n * bits / 8 bytes.
     bits: int
+    # Whether its groups are stored rotated by the Hadamard matrix (and the kernels rotate the
+    # activation blocks they meet).
+    rotated: bool = False
 
 
-INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 8)
+INT8 = WeightFormat("int8", 0, "int8 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 8, True)
 INT4 = WeightFormat("int4", 1, "int4 weights with a float16 scale per group of 32", GROUP, 4)
 INT4M = WeightFormat("int4m", 2, "int4 weights with a float16 scale and minimum per group of 32", GROUP, 4)
-INT6 = WeightFormat("int6", 3, "int6 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 6)
+INT6 = WeightFormat("int6", 3, "int6 weights with a float16 scale per Hadamard-rotated group of 32", GROUP, 6, True)
 # The DTYPEs; int6 is only stored (the 4-bit DTYPEs' output layer).
 FORMATS = {fmt.name: fmt for fmt in (INT8, INT4, INT4M)}
 STORED_FORMATS = {**FORMATS, INT6.name: INT6}
@@ -75,7 +88,8 @@ ACTIVATIONS = "activations rounded to int8 per block of 32 (rotated as the weigh
 # What torch.ops.corechat.layout() must report for this module's files to be read right.
 LAYOUT = {"block": GROUP, "tile_outputs": TILE_OUTPUTS, "group_inputs": GROUP_INPUTS, "int8_offset": INT8_OFFSET,
           "int6_offset": INT6_OFFSET, "int4_offset": INT4_OFFSET, "int8_groups": INT8.code, "int4_groups": INT4.code,
-          "int4_mins": INT4M.code, "int6_groups": INT6.code, "int8_rotated": 1, "int6_rotated": 1}
+          "int4_mins": INT4M.code, "int6_groups": INT6.code, "int8_rotated": int(INT8.rotated),
+          "int6_rotated": int(INT6.rotated)}
 
 
 class LayoutMismatch(RuntimeError):
@@ -118,56 +132,6 @@ class QuantizedLinear(nn.Module):
         output = torch.ops.corechat.quantized_linear(flat, self.qweight, self.qscale, self.bias, self.format.code,
                                                      self.out_features, self.float32_output)
         return output if matrix else output.reshape(*inputs.shape[:-1], self.out_features)
-
-
-def padded_rows(outputs: int) -> int:
-    """Return the rows stored for a matrix: a multiple of TILE_OUTPUTS."""
-    return -(-outputs // TILE_OUTPUTS) * TILE_OUTPUTS
-
-
-def pad_rows(matrix: torch.Tensor, fill: int = 0) -> torch.Tensor:
-    """Return a matrix with rows of `fill` added to a multiple of TILE_OUTPUTS."""
-    padded = torch.full((padded_rows(matrix.shape[0]), *matrix.shape[1:]), fill, dtype=matrix.dtype)
-    padded[: matrix.shape[0]] = matrix
-    return padded
-
-
-def tile_int8(stored: torch.Tensor) -> torch.Tensor:
-    """Lay out offset int8 weights [padded rows, inputs] as kernels.h reads them: per tile, per block,
-    per group of 4 inputs, the 16 rows' 4 bytes side by side."""
-    rows, inputs = stored.shape
-    tiles = stored.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, GROUP // GROUP_INPUTS, GROUP_INPUTS)
-    return tiles.permute(0, 2, 3, 1, 4).reshape(rows, inputs).contiguous()
-
-
-def untile_int8(tiled: torch.Tensor) -> torch.Tensor:
-    """Undo tile_int8."""
-    rows, inputs = tiled.shape
-    tiles = tiled.reshape(rows // TILE_OUTPUTS, inputs // GROUP, GROUP // GROUP_INPUTS, TILE_OUTPUTS, GROUP_INPUTS)
-    return tiles.permute(0, 3, 1, 2, 4).reshape(rows, inputs)
-
-
-def tile_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Lay out float16 scales [outputs, blocks] as kernels.h reads them: padded, [tiles, blocks, 16 rows]
-    (returned as [padded rows, blocks])."""
-    padded = pad_rows(scales)
-    rows, blocks = padded.shape
-    return padded.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, blocks).transpose(1, 2).contiguous().reshape(rows, blocks)
-
-
-def tile_scales_and_minimums(scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
-    """Lay out float16 scales and minimums [outputs, blocks] as kernels.h reads int4m's: padded, [tiles,
-    blocks, 2, 16 rows], a block's 16 scales and then its 16 minimums (returned as [padded rows, 2 * blocks])."""
-    tiled = [tile_scales(part) for part in (scales, minimums)]
-    rows, blocks = tiled[0].shape
-    parts = [part.reshape(rows // TILE_OUTPUTS, blocks, TILE_OUTPUTS) for part in tiled]
-    return torch.stack(parts, dim=2).reshape(rows, 2 * blocks)
-
-
-def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
-    """Undo tile_scales (the padded rows kept), as float32."""
-    rows, blocks = tiled.shape
-    return tiled.reshape(rows // TILE_OUTPUTS, blocks, TILE_OUTPUTS).transpose(1, 2).reshape(rows, blocks).float()
 
 
 def check_width(fmt: WeightFormat, inputs: int) -> None:
@@ -220,12 +184,18 @@ def rotated_levels(weight: torch.Tensor, largest: int) -> tuple[torch.Tensor, to
     # below half the step of any group with a normal scale, so it only shows in a matrix whose weights
     # are all that small, which trained models' are not; clamping the scale up to 2^-14 would coarsen
     # those groups' steps instead.
-    scales = (groups.abs().amax(dim=2) / largest).to(torch.float16)
-    stored_scales = scales.float()
-    safe = torch.where(stored_scales != 0, stored_scales, torch.ones_like(stored_scales))
-    levels = torch.round(groups / safe[:, :, None]).clamp(-largest, largest)
-    levels = torch.where(stored_scales[:, :, None] != 0, levels, torch.zeros_like(levels))
+    scales, minimums = symmetric_grid(groups, None, largest)
+    levels = levels_on(groups, scales.float(), minimums.float(), -largest, largest)
     return scales, levels.reshape(outputs, inputs)
+
+
+def symmetric_grid(groups: torch.Tensor, importance: torch.Tensor | None,
+                   largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the float16 scales of groups [rows, blocks, 32] rounded symmetrically to -largest..largest
+    steps (each group's largest magnitude / largest), and their minimums (all 0): int8's and int6's
+    grid, the same whatever the inputs' importance (a grid's signature, gptq.rounded)."""
+    scales = (groups.abs().amax(dim=2) / largest).to(torch.float16)
+    return scales, torch.zeros_like(scales)
 
 
 def levels_on(groups: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -350,64 +320,6 @@ def round_4bit(weight: torch.Tensor, grid, low: int, high: int,
     return scales, minimums, levels.reshape(weight.shape)
 
 
-def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit values [padded rows, inputs] as the kernel reads them: each block of a tile holds its 16
-    rows' groups of 4 inputs side by side, group p's in the low nibbles and group p + 4's in the high ones."""
-    rows, inputs = nibbles.shape
-    # [tiles, 16 rows, blocks, 2 halves, 4 groups, 4 inputs] -> [tiles, blocks, 4 groups, 16 rows, 4 inputs]
-    parts = nibbles.reshape(rows // TILE_OUTPUTS, TILE_OUTPUTS, inputs // GROUP, 2, 4, GROUP_INPUTS)
-    parts = parts.permute(0, 2, 3, 4, 1, 5)
-    packed = parts[:, :, 0] | (parts[:, :, 1] << 4)
-    return packed.reshape(rows, inputs // 2).contiguous()
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Undo pack_nibbles, as float32 values 0..15."""
-    rows, inputs = packed.shape[0], packed.shape[1] * 2
-    packed = packed.reshape(rows // TILE_OUTPUTS, inputs // GROUP, 4, TILE_OUTPUTS, GROUP_INPUTS)
-    halves = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [tiles, blocks, 2, 4, 16, 4]
-    return halves.permute(0, 4, 1, 2, 3, 5).reshape(rows, inputs).float()
-
-
-def pack_int6(stored: torch.Tensor) -> torch.Tensor:
-    """Lay out offset 6-bit values [padded rows, inputs] (0..63) as the kernel reads them: per tile's
-    block, the low 4 bits as pack_nibbles lays them out (256 bytes), then the top 2 bits (128 bytes):
-    byte 64 * q + 4 * row + k holds those of nibble load 2q's low and high nibbles (bits 0-1, 2-3)
-    and of load 2q + 1's (bits 4-5, 6-7)."""
-    rows, inputs = stored.shape
-    tiles, blocks = rows // TILE_OUTPUTS, inputs // GROUP
-    nibbles = pack_nibbles(stored & 0x0F).reshape(tiles, blocks, TILE_OUTPUTS * GROUP // 2)
-    # [tiles, 16 rows, blocks, 8 groups of 4 inputs, 4] -> [tiles, blocks, 8 groups, 16 rows x 4 inputs]
-    top = (stored >> 4).reshape(tiles, TILE_OUTPUTS, blocks, GROUP // GROUP_INPUTS, GROUP_INPUTS)
-    top = top.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS * GROUP_INPUTS)
-    loads = [top[:, :, 2 * q] | (top[:, :, 2 * q + 4] << 2) | (top[:, :, 2 * q + 1] << 4) | (top[:, :, 2 * q + 5] << 6)
-             for q in (0, 1)]
-    return torch.cat([nibbles, *loads], dim=2).reshape(rows, inputs * 3 // 4).contiguous()
-
-
-def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
-    """Undo pack_int6, as float32 values 0..63."""
-    rows, inputs = packed.shape[0], packed.shape[1] * 4 // 3
-    tiles, blocks = rows // TILE_OUTPUTS, inputs // GROUP
-    parts = packed.reshape(tiles, blocks, -1)
-    nibble_bytes = TILE_OUTPUTS * GROUP // 2
-    low = unpack_nibbles(parts[:, :, :nibble_bytes].reshape(rows, inputs // 2))
-    loads = parts[:, :, nibble_bytes:].reshape(tiles, blocks, 2, TILE_OUTPUTS * GROUP_INPUTS)
-    top = torch.empty(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS * GROUP_INPUTS, dtype=torch.uint8)
-    for q in (0, 1):
-        for shift, group in ((0, 2 * q), (2, 2 * q + 4), (4, 2 * q + 1), (6, 2 * q + 5)):
-            top[:, :, group] = (loads[:, :, q] >> shift) & 0x3
-    top = top.reshape(tiles, blocks, GROUP // GROUP_INPUTS, TILE_OUTPUTS, GROUP_INPUTS).permute(0, 3, 1, 2, 4)
-    return low + 16 * top.reshape(rows, inputs).float()
-
-
-def int6_grid(groups: torch.Tensor, importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return int6's float16 scales for rotated groups [rows, blocks, 32]: each group's largest magnitude
-    / 31 (minimums all 0), the nearest rounding's rule."""
-    scales = (groups.abs().amax(dim=2) / (INT6_OFFSET - 1)).to(torch.float16)
-    return scales, torch.zeros_like(scales)
-
-
 def quantize_int6(weight: torch.Tensor, moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a matrix as int8 does (rotated groups of 32, symmetric, a float16 scale each), to
     -31..31 steps, stored + 32 in 6 bits (pack_int6). llama.cpp keeps its 4-bit types' output layer in
@@ -420,7 +332,8 @@ def quantize_int6(weight: torch.Tensor, moments: torch.Tensor | None = None) -> 
         scales, levels = rotated_levels(weight, INT6_OFFSET - 1)
     else:
         rotated_moments = rotate_groups(rotate_groups(moments.double()).T)
-        scales, _, levels = gptq.rounded(rotate_groups(weight.float()), rotated_moments, GROUP, int6_grid,
+        scales, _, levels = gptq.rounded(rotate_groups(weight.float()), rotated_moments, GROUP,
+                                         partial(symmetric_grid, largest=INT6_OFFSET - 1),
                                          partial(levels_on, low=1 - INT6_OFFSET, high=INT6_OFFSET - 1))
     return pack_int6(pad_rows((levels + INT6_OFFSET).to(torch.uint8), fill=INT6_OFFSET)), tile_scales(scales)
 
@@ -469,7 +382,7 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scales: torch.Tensor, ou
         minimums = untile_scales(minimums)
     steps = levels.reshape(rows, blocks, GROUP) * untile_scales(scales)[:, :, None]
     restored = (steps + minimums[:, :, None]).reshape(rows, inputs)
-    return (rotate_groups(restored) if fmt in (INT8, INT6) else restored)[:outputs]
+    return (rotate_groups(restored) if fmt.rotated else restored)[:outputs]
 
 
 QUANTIZE = {INT8.name: quantize_int8, INT4.name: quantize_int4, INT4M.name: quantize_int4m, INT6.name: quantize_int6}

@@ -33,9 +33,8 @@ from service.engine.quantized import (
     int4_grid,
     int4m_grid,
     levels_on,
-    padded_rows,
-    unpack_nibbles,
 )
+from service.engine.tiles import padded_rows, unpack_nibbles
 from service.settings import Settings
 
 FINGERPRINT = "0123456789abcdef"

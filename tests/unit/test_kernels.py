@@ -28,16 +28,13 @@ from service.engine.quantized import (
     INT8,
     QUANTIZE,
     dequantize,
-    pack_int6,
-    padded_rows,
     quantize_int4,
     quantize_int4m,
     quantize_int6,
     quantize_int8,
     rotate_groups,
-    tile_scales,
-    unpack_int6,
 )
+from service.engine.tiles import pack_int6, padded_rows, tile_scales, unpack_int6
 from service.settings import Settings
 from tests.support import torch_threads
 from tests.unit.kernel_misuse import CASES as MISUSE_CASES
