@@ -64,9 +64,11 @@ def _online_cpus() -> set[int]:
 
 
 def machine_folder(cpu: str, paths: str) -> str:
-    """Return the results folder of a machine: its CPU model and its best kernel path, e.g. amd-epyc-avx512-vnni."""
+    """Return the results folder of a machine: its CPU model and its best kernel path, e.g. amd-epyc-avx512-vnni
+    (avx512_bf16, attention's alone, does not name a machine)."""
     model = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", cpu.lower())
-    words = re.findall(r"[a-z0-9]+", f"{model} {paths.split(',')[-1]}")
+    best = [path for path in paths.split(",") if path != "avx512_bf16"][-1]
+    words = re.findall(r"[a-z0-9]+", f"{model} {best}")
     return "-".join(words) or "unknown"
 
 

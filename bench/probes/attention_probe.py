@@ -7,11 +7,12 @@ a PREFILL_CHUNK_TOKENS-token prompt chunk ending at it, per layer; and the multi
 second (each query head times each key, twice: scores and values). It prints a table and writes
 bench/results/<machine>/attention.json and .md.
 
-`--against REV [--rounds 10]` instead times one decode row at each context with the working tree's
-kernels and git revision REV's (built renamed beside them, as bench/probes/kernel_ab.py does), in
-turns, for heads of three models' shapes: the 0.5B's 14 over 2 key/value heads, SmolLM2's 9 over 3,
-and 8 over 1; it checks both give the same bits and writes <name>.json and .md (--name, default
-attention-ab).
+`--against REV [--rounds 10] [--chunks] [--path P]` instead times one decode row (and with --chunks a prompt
+chunk) at each context with the working tree's kernels and git revision REV's (built renamed beside
+them, as bench/probes/kernel_ab.py does), in turns, for heads of three models' shapes: the 0.5B's 14
+over 2 key/value heads, SmolLM2's 9 over 3, and 8 over 1; it checks both give the same bits
+(`--other-arithmetic`: not, for a revision whose scores or page layout differ) and writes
+<name>.json and .md (--name, default attention-ab).
 """
 
 import argparse
@@ -71,27 +72,34 @@ def measure(path: str, context: int) -> dict:
             "decode_8_multiply_adds_per_second": rows * HEADS * DIM * 2 * (context + 1) / eight}
 
 
-def decode_ab(operators: dict, heads: int, kv_heads: int, context: int, rounds: int) -> dict:
-    """Time one decode row at `context` keys with each library in turns (the order alternating); return
-    each one's per-round best and the ratios, after checking they give the same bits."""
+def decode_ab(operators: dict, heads: int, kv_heads: int, context: int, rounds: int, rows: int = 1,
+              check_bits: bool = True, path: str = "best") -> dict:
+    """Time one decode row at `context` keys (or, with `rows`, a prompt chunk of that many rows ending
+    there) with each library in turns (the order alternating); return each one's per-round best and
+    the ratios, after checking they give the same bits (unless not `check_bits`)."""
     pages = -(-(context + 1) // PAGE_TOKENS)
     pool = torch.randn(pages, 1, 2, kv_heads, PAGE_TOKENS * DIM).bfloat16()
     tables = torch.arange(pages).view(1, pages)
-    inputs = (torch.randn(1, heads, DIM).bfloat16(), torch.randn(1, kv_heads, DIM).bfloat16(),
-              torch.randn(1, kv_heads, DIM).bfloat16())
+    inputs = (torch.randn(rows, heads, DIM).bfloat16(), torch.randn(rows, kv_heads, DIM).bfloat16(),
+              torch.randn(rows, kv_heads, DIM).bfloat16())
+    sequences, positions = torch.zeros(rows, dtype=torch.long), torch.arange(context - rows + 1, context + 1)
 
     def run(name: str) -> torch.Tensor:
-        return operators[name].paged_attention(*inputs, pool, 0, tables, torch.tensor([0]), torch.tensor([context]),
-                                               DIM ** -0.5, kernels.PATHS["best"])
+        return operators[name].paged_attention(*inputs, pool, 0, tables, sequences, positions, DIM ** -0.5,
+                                               kernels.PATHS[path] if name == "tree" else against_path)
 
-    if not torch.equal(run("tree"), run("against")):
+    # The other revision may not know the tree's attention-only path: it runs its AVX-512 one there.
+    against_path = kernels.PATHS["avx512_vnni" if path == "avx512_bf16" else path]
+
+    if check_bits and not torch.equal(run("tree"), run("against")):
         raise SystemExit(f"the two libraries differ at {heads}/{kv_heads} heads, {context} keys")
     seconds = {"tree": [], "against": []}
     for number in range(rounds):
         for name in ("tree", "against") if number % 2 == 0 else ("against", "tree"):
             seconds[name].append(best_seconds(lambda name=name: run(name), rounds=3))
     ratios = [tree / against for tree, against in zip(seconds["tree"], seconds["against"], strict=True)]
-    return {"heads": heads, "kv_heads": kv_heads, "context": context, "seconds": seconds, "ratios": ratios}
+    return {"heads": heads, "kv_heads": kv_heads, "context": context, "rows": rows, "seconds": seconds,
+            "ratios": ratios}
 
 
 def compare(args) -> None:
@@ -99,14 +107,17 @@ def compare(args) -> None:
     commit, library = build_revision(args.against)
     torch.ops.load_library(str(library))
     operators = {"tree": torch.ops.corechat, "against": torch.ops.corechat_b}
-    runs = [decode_ab(operators, heads, kv_heads, context, args.rounds)
+    runs = [decode_ab(operators, heads, kv_heads, context, args.rounds, rows, not args.other_arithmetic, args.path)
+            for rows in (1, CHUNK) if rows == 1 or args.chunks
             for heads, kv_heads in AB_SHAPES for context in args.contexts]
-    lines = [f"One decode row's attention (one layer, dim {DIM}, path best), working tree against {commit}, "
-             f"{args.threads} thread(s), {args.rounds} alternating rounds (each the best of 3): medians, and the "
-             "ratio of the tree's time to the other's per round.", "",
-             "| heads / kv heads | context | tree | against | ratio, median (range) |", "|---|---|---|---|---|"]
+    lines = [f"One layer's attention (dim {DIM}, path {args.path}) for a decode row, and with --chunks a {CHUNK}-row "
+             f"prompt chunk ending at the context, working tree against {commit}, {args.threads} thread(s), "
+             f"{args.rounds} alternating rounds (each the best of 3): medians, and the ratio of the tree's time to "
+             "the other's per round.", "",
+             "| rows | heads / kv heads | context | tree | against | ratio, median (range) |",
+             "|---|---|---|---|---|---|"]
     for run in runs:
-        lines.append(f"| {run['heads']} / {run['kv_heads']} | {run['context']} | "
+        lines.append(f"| {run['rows']} | {run['heads']} / {run['kv_heads']} | {run['context']} | "
                      f"{statistics.median(run['seconds']['tree']) * 1e3:.3f} ms | "
                      f"{statistics.median(run['seconds']['against']) * 1e3:.3f} ms | "
                      f"{statistics.median(run['ratios']):.2f}x ({min(run['ratios']):.2f}-{max(run['ratios']):.2f}) |")
@@ -122,12 +133,16 @@ def main() -> None:
     parser.add_argument("--against", help="time decode rows against this git revision's kernels")
     parser.add_argument("--rounds", type=int, default=10, help="alternating rounds of --against")
     parser.add_argument("--name", help="results file name of --against (default attention-ab)")
+    parser.add_argument("--chunks", action="store_true", help="with --against, time prompt chunks too")
+    parser.add_argument("--path", default="best", help="with --against, the tree's kernel path (default best)")
+    parser.add_argument("--other-arithmetic", action="store_true",
+                        help="with --against, a revision whose scores or page layout differ: no bits check")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels.load()
     if args.against:
         return compare(args)
-    paths = [path for path in kernels.available_paths() if path != "reference"]
+    paths = [path for path in kernels.attention_paths() if path != "reference"]
     runs = [{"path": path, **measure(path, context)} for path in paths for context in args.contexts]
     lines = ["| path | context | decode, 1 row | decode, 8 rows | 8 rows, G multiply-adds/s | "
              f"{CHUNK}-token chunk | chunk, G multiply-adds/s |", "|---|---|---|---|---|---|---|"]

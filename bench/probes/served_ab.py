@@ -8,8 +8,10 @@ order alternating round by round, as a client that names no sampling sends it (t
 generation_config: Qwen2.5's top-p/top-k draw with its repetition penalty). A change to the
 engine's per-token path (its Python, the operators around the forward) is then judged by the ratio
 of two decode rates taken moments apart on the same machine, which moves far less than two runs'
-absolute figures. Prints a table and writes bench/results/<machine>/<name>.json and .md (--name,
-default served-ab) with the CPU, date and both revisions.
+absolute figures. `--prompt-sentences N` times instead the first token of a unique prompt of N
+sentences (bench/versus.py's long prompts: 334 make about 5,000 tokens), for a change to the prompt
+pass. Prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default
+served-ab) with the CPU, date and both revisions.
 """
 
 import argparse
@@ -24,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import CACHE_DIR, git, progress, save_results  # noqa: E402
+from bench.versus import chat  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from harness.client import stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
@@ -48,11 +51,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="int4m")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--prompt-sentences", type=int, default=0,
+                        help="time the first token of a prompt of this many sentences instead of decode")
     parser.add_argument("--name", default="served-ab", help="the results files' name")
     args = parser.parse_args()
     from devtools.devmodel import build_dev_model
 
     model = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
+    prompt = args.prompt_sentences > 0
     commit, folder = unpacked(args.against)
     rates: dict[str, list[float]] = {"tree": [], "against": []}
     with tempfile.TemporaryDirectory() as scratch:
@@ -67,22 +73,32 @@ def main() -> None:
             for round_index in range(args.rounds):
                 order = ("tree", "against") if round_index % 2 == 0 else ("against", "tree")
                 for name in order:
-                    messages = [{"role": "user", "content": f"{tag} {round_index}: tell me a long story about a lighthouse."}]
-                    result = stream_chat(servers[name].url, messages, args.tokens, greedy=False)
+                    if prompt:
+                        result = stream_chat(servers[name].url, chat(args.prompt_sentences, f"{tag}{round_index}{name}"),
+                                             1, greedy=False)
+                    else:
+                        messages = [{"role": "user",
+                                     "content": f"{tag} {round_index}: tell me a long story about a lighthouse."}]
+                        result = stream_chat(servers[name].url, messages, args.tokens, greedy=False)
                     if result.error:
                         raise RuntimeError(f"the {name}'s stream failed: {result.error}")
-                    rates[name].append(result.decode_tokens_per_second)
+                    # A rate either way: decode tokens a second, or prompt tokens a second to the first token.
+                    rates[name].append(result.prompt_tokens / result.first_token_seconds if prompt
+                                       else result.decode_tokens_per_second)
                 progress(f"round {round_index + 1}: tree {rates['tree'][-1]:.1f}, {commit} {rates['against'][-1]:.1f} tok/s")
         finally:
             for server in servers.values():
                 server.stop()
     ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
     # The working tree's commit (and whether it had changes) is the results' own, as save_results records it.
-    results = {"dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds, "against": commit,
+    results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences,
+               "rounds": args.rounds, "against": commit,
                "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
-    table = (f"## One stream's decode, served, working tree against {commit}: {args.dtype}, the model's default "
-             f"sampling, {args.tokens} tokens a stream, {args.rounds} alternating rounds (a ratio above 1: the working "
-             "tree is faster)\n\n| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
+    what = (f"a unique prompt's first token ({args.prompt_sentences} sentences; prompt tokens a second to the first "
+            "token)" if prompt else f"one stream's decode ({args.tokens} tokens a stream)")
+    table = (f"## {what[0].upper() + what[1:]}, served, working tree against {commit}: {args.dtype}, the model's "
+             f"default sampling, {args.rounds} alternating rounds (a ratio above 1: the working tree is faster)\n\n"
+             "| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
              + "".join(f"| round {index + 1} | {tree_rate:.1f} tok/s | {against_rate:.1f} tok/s | {ratio:.3f} |\n"
                        for index, (tree_rate, against_rate, ratio) in enumerate(zip(rates["tree"], rates["against"], ratios)))
              + f"| median | {statistics.median(rates['tree']):.1f} tok/s | {statistics.median(rates['against']):.1f} tok/s "

@@ -105,8 +105,11 @@ class PagePool:
             piece = self.storage[pages.table[first:last], layer]
             if last == count and length % PAGE_TOKENS:
                 used = length % PAGE_TOKENS
-                piece[-1, 0].view(kv_heads, head_dim, PAGE_TOKENS)[:, :, used:] = 0
-                piece[-1, 1].view(kv_heads, PAGE_TOKENS, head_dim)[:, used:] = 0
+                piece[-1, 0].view(kv_heads, head_dim // 2, PAGE_TOKENS, 2)[:, :, used:] = 0
+                values = piece[-1, 1].view(kv_heads, PAGE_TOKENS // 2, head_dim, 2)
+                values[:, -(-used // 2):] = 0
+                if used % 2:
+                    values[:, used // 2, :, 1] = 0
             yield piece
 
     def write(self, pages: SequencePages, layers: list[torch.Tensor], length: int) -> None:

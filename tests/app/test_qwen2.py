@@ -18,13 +18,14 @@ KERNEL_ATTENTION = "corechat-paged-test"
 
 def as_pages(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Return a layer's keys and values, [1, kv_heads, tokens, head_dim], in the pool's stored layout:
-    [pages, 2, kv_heads, PAGE_TOKENS * head_dim], keys of a page transposed (kernels.h: PagedAttention)."""
+    [pages, 2, kv_heads, PAGE_TOKENS * head_dim], a page's keys as pairs of elements, pair-major, its
+    values as pairs of tokens, element by element (kernels.h: PagedAttention)."""
     _, kv_heads, tokens, dim = keys.shape
     count = -(-tokens // PAGE_TOKENS)
     padded = [torch.zeros(kv_heads, count * PAGE_TOKENS, dim, dtype=keys.dtype) for _ in range(2)]
     padded[0][:, :tokens], padded[1][:, :tokens] = keys[0], values[0]
-    key_pages = padded[0].view(kv_heads, count, PAGE_TOKENS, dim).permute(1, 0, 3, 2)
-    value_pages = padded[1].view(kv_heads, count, PAGE_TOKENS, dim).transpose(0, 1)
+    key_pages = padded[0].view(kv_heads, count, PAGE_TOKENS, dim // 2, 2).permute(1, 0, 3, 2, 4)
+    value_pages = padded[1].view(kv_heads, count, PAGE_TOKENS // 2, 2, dim).permute(1, 0, 2, 4, 3)
     return torch.stack([key_pages.reshape(count, kv_heads, -1), value_pages.reshape(count, kv_heads, -1)], dim=1)
 
 

@@ -20,8 +20,8 @@ def loaded_kernels():
 
 
 def paths() -> list[str]:
-    """Return every path this CPU runs, the reference first."""
-    return kernels.available_paths()
+    """Return every path this CPU runs attention on, the reference first."""
+    return kernels.attention_paths()
 
 
 def new_pool(pages: int, dim: int = DIM, kv_heads: int = KV_HEADS) -> PagePool:
@@ -79,6 +79,49 @@ def test_every_path_gives_the_references_bits():
                                path=path)
     for path, got in results.items():
         assert torch.equal(got, results["reference"]), path
+
+
+def test_dot_products_near_and_below_the_smallest_normal_float_give_the_references_bits():
+    """Queries and keys whose products and running sums lie around FLT_MIN (2^-126), some of them
+    bfloat16 subnormals, and a scale of 2^120 that makes those sums the scores: every path flushes
+    as vdpbf16ps does (subnormal inputs as 0, results tiny after rounding to 0), so every path gives
+    the reference's bits, and the flushing shows: scores of 2^-130 would weigh the values unevenly."""
+    tokens = 70
+    generator = torch.Generator().manual_seed(60)
+    query = (torch.randn(tokens, HEADS, DIM, generator=generator) * 2.0 ** -63).bfloat16()
+    keys = (torch.randn(tokens, KV_HEADS, DIM, generator=generator) * 2.0 ** -63).bfloat16()
+    keys[::3, :, ::5] = 2.0 ** -130  # subnormal in bfloat16 and float32: counted as 0
+    query[::4, :, 1::7] = -(2.0 ** -128)
+    values = random(tokens, KV_HEADS, DIM, seed=61)
+    assert (keys.float().abs() < 2.0 ** -126).logical_and(keys != 0).any()
+    results = {}
+    for path in paths():
+        results[path] = attend(new_pool(2), query, keys, values, torch.tensor([[1, 0]]), [0] * tokens,
+                               list(range(tokens)), path=path, scale=2.0 ** 120)
+    for path, got in results.items():
+        assert torch.equal(got, results["reference"]), path
+    assert results["reference"].isfinite().all()
+
+
+def test_what_a_page_holds_past_a_sequences_last_key_never_reaches_its_output():
+    """Value slots past an odd count of keys are read beside the last key's (keys go in pairs): a NaN
+    left there by an earlier sequence counts as 0."""
+    tokens = 37
+    inputs = (random(tokens, HEADS, DIM, seed=62), random(tokens, KV_HEADS, DIM, seed=63),
+              random(tokens, KV_HEADS, DIM, seed=64))
+    for path in paths():
+        clean, dirty = new_pool(1), new_pool(1)
+        dirty.storage.fill_(float("nan"))
+        outputs = [attend(pool, *inputs, torch.tensor([[0]]), [0] * tokens, list(range(tokens)), path=path)
+                   for pool in (clean, dirty)]
+        assert torch.equal(outputs[0], outputs[1]), path
+
+
+def test_the_avx512_bf16_path_runs_where_the_cpu_has_the_bfloat16_dot_product():
+    flags = kernels.cpu_flags()
+    has = {"avx512_bf16", "avx512_vnni", "avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"} <= flags
+    assert ("avx512_bf16" in kernels.attention_paths()) == has
+    assert "avx512_bf16" not in kernels.available_paths()
 
 
 def test_a_token_gets_the_same_bits_in_a_prompt_pass_in_chunks_and_as_a_decode_step():
@@ -186,17 +229,23 @@ def test_a_nan_in_a_query_gives_nan_not_plausible_output():
     ({"query": torch.zeros(1, HEADS, 48, dtype=torch.bfloat16)}, "head dim"),
     ({"query": torch.zeros(1, 3, DIM, dtype=torch.bfloat16)}, "multiple of kv_heads"),
     ({"keys": torch.zeros(1, KV_HEADS, DIM)}, "bfloat16"),
+    ({"scale": 0.0}, "scale"),
+    ({"scale": -0.125}, "scale"),
+    ({"scale": float("inf")}, "scale"),
+    ({"scale": float("nan")}, "scale"),
+    ({"scale": 1e39}, "scale"),
+    ({"scale": 1e-46}, "scale"),
 ])
 def test_bad_arguments_raise_instead_of_reading_or_writing_out_of_bounds(change, message):
     pool = new_pool(1)
     arguments = {"query": torch.zeros(1, HEADS, DIM, dtype=torch.bfloat16),
                  "keys": torch.zeros(1, KV_HEADS, DIM, dtype=torch.bfloat16),
                  "values": torch.zeros(1, KV_HEADS, DIM, dtype=torch.bfloat16),
-                 "tables": torch.tensor([[0]]), "sequences": [0], "positions": [0], "layer": 1}
+                 "tables": torch.tensor([[0]]), "sequences": [0], "positions": [0], "layer": 1, "scale": 0.125}
     arguments.update(change)
     with pytest.raises(RuntimeError, match=message):
         attend(pool, arguments["query"], arguments["keys"], arguments["values"], arguments["tables"],
-               arguments["sequences"], arguments["positions"], layer=arguments["layer"])
+               arguments["sequences"], arguments["positions"], layer=arguments["layer"], scale=arguments["scale"])
 
 
 def test_decoding_at_ever_new_context_lengths_does_not_grow_memory():

@@ -63,9 +63,16 @@ AMX = InstructionSet(
     AVX512_VNNI.compiler_flags + ("-mamx-tile", "-mamx-int8"),
     "amx.cpp",
 )
-INSTRUCTION_SETS = (AVX2, AVX512_VNNI, AMX)
-# Numbers of torch.ops.corechat.quantized_linear's `path` argument.
-PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3, "amx": 4}
+# AVX-512's attention with the bfloat16 dot product (avx512_bf16.cpp): no product path of its own.
+AVX512_BF16 = InstructionSet(
+    "avx512_bf16",
+    AVX512_VNNI.cpu_flags + ("avx512_bf16",),
+    AVX512_VNNI.compiler_flags + ("-mavx512bf16",),
+    "avx512_bf16.cpp",
+)
+INSTRUCTION_SETS = (AVX2, AVX512_VNNI, AMX, AVX512_BF16)
+# Numbers of the kernels' `path` arguments; avx512_bf16 is paged_attention's only.
+PATHS = {"best": 0, "reference": 1, "avx2": 2, "avx512_vnni": 3, "amx": 4, "avx512_bf16": 5}
 # A build runs while every worker of the host waits for it: a g++ that hangs must fail the build,
 # not the whole service, and a builder that hangs where no timeout reaches must not hold the others
 # forever. The bounds are far above a build's time on a small machine.
@@ -130,7 +137,8 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet],
     # A build is this CPU's (build_key): the reference and the operators' element-wise loops (norms,
     # rotary, rounding activations) are compiled for its best instruction set, which vectorizes
     # them; without -ffast-math and with -ffp-contract=off their bits are the plain C++'s.
-    best = sets[-1].compiler_flags if sets else ()
+    products = [isa for isa in sets if isa is not AVX512_BF16]
+    best = products[-1].compiler_flags if products else ()
     units = [(name, best) for name in BASELINE_SOURCES]
     units += [(isa.source, isa.compiler_flags) for isa in sets]
     defines = [f"-DCORECHAT_WITH_{isa.name.upper()}" for isa in sets]
@@ -250,6 +258,12 @@ def load(fallback_dir: Path | None = None) -> Path:
 def available_paths() -> list[str]:
     """Return the kernel paths the loaded library runs on this CPU, best last."""
     return list(torch.ops.corechat.paths())
+
+
+def attention_paths() -> list[str]:
+    """Return the paths paged_attention runs on this CPU, best last (avx512_bf16 where it has the
+    bfloat16 dot product)."""
+    return list(torch.ops.corechat.attention_paths())
 
 
 def use_path(name: str) -> list[str]:

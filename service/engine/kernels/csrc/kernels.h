@@ -148,9 +148,10 @@ void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stri
 
 // Paged attention: every running sequence's keys and values live in pages of one pool, a table
 // per sequence listing its pages in order. The pool is [pages][layers][2][kv_heads][kPageTokens *
-// dim] bfloat16: a layer's keys of a kv head hold element d of the page's token t at d *
-// kPageTokens + t (keys of 16 tokens side by side, which the score loop reads as one vector), its
-// values token t's vector at t * dim. A row (a query token) is written into its sequence's pages
+// dim] bfloat16: a layer's keys of a kv head hold elements d = 2i and 2i + 1 of the page's token t
+// side by side at i * 2 * kPageTokens + 2t (the pairs of 16 tokens, which the score loop reads as
+// one vector: a bfloat16 dot product's operand), its values element d of tokens 2u and 2u + 1 side
+// by side at u * 2 * dim + 2d (which the value loop reads so, 16 elements at a time). A row (a query token) is written into its sequence's pages
 // at its position, then attends to positions [0, position] in one fixed order (attention.inc).
 constexpr int64_t kPageTokens = 64;
 constexpr int64_t kKeyBlock = 16;
@@ -186,6 +187,7 @@ using AttendKernel = void (*)(const PagedAttention& task, int64_t begin, int64_t
 void attend_reference(const PagedAttention&, int64_t, int64_t);
 void attend_avx2(const PagedAttention&, int64_t, int64_t);
 void attend_avx512(const PagedAttention&, int64_t, int64_t);
+void attend_avx512_bf16(const PagedAttention&, int64_t, int64_t);
 
 // One (kv head, row) pair's attention split `parts` ways, for long contexts with fewer pairs than
 // threads (attention.inc: CORECHAT_ATTEND_PART): phase 0 scores part `part` of the pair's key
@@ -196,6 +198,7 @@ void attend_avx512(const PagedAttention&, int64_t, int64_t);
 // the weights in the same order, and each output lane's chain over the keys is the same chain.
 struct AttendScratch {
     float* scores;     // [group, stride] the pair's scores, then its weights
+    uint16_t* weight_bits;  // [group, stride] the weights' bfloat16 bits (where a path reads them so)
     int64_t stride;    // at least the pair's keys, a whole number of key blocks
     float* largest;    // [score_parts, group] each key part's largest score of each query vector
     int64_t score_parts;
@@ -205,6 +208,7 @@ using AttendPartKernel = void (*)(const PagedAttention& task, int phase, int64_t
 void attend_part_reference(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
 void attend_part_avx2(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
 void attend_part_avx512(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
+void attend_part_avx512_bf16(const PagedAttention&, int, int64_t, int64_t, int64_t, const AttendScratch&);
 
 // The sampler's weights of a row of logits (weights.inc): each token's token_weight into `weights`,
 // each block of kWeightBlock tokens' sum into `block_sums`; returns their total. Every path gives the
@@ -287,6 +291,34 @@ inline float largest_of_sixteen(const float lanes[16]) {
     float largest = lanes[0];
     for (int i = 1; i < 16; ++i) largest = largest > lanes[i] ? largest : lanes[i];
     return largest;
+}
+
+// Attention's dot products are those of the bfloat16 dot product instruction (vdpbf16ps), which the
+// paths without it follow with float32 FMAs in the MXCSR's flush-to-zero and denormals-are-zero
+// modes: subnormal inputs count as 0, and a result whose magnitude, rounded to 24 bits with an
+// unbounded exponent, is below FLT_MIN is 0 (x86 detects tininess after rounding). The plain C++
+// below is that rule, for the reference.
+inline float flush_subnormal(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+}
+
+// The rounded result `rounded` of an exact value `exact` (within double's precision of it), zero
+// where x86's flush-to-zero makes it so.
+inline float flush_tiny(float rounded, double exact) {
+    constexpr float kSmallest = std::numeric_limits<float>::min();
+    const float size = std::fabs(rounded);
+    if (!(size <= kSmallest)) return rounded;  // normal, infinite or NaN
+    // Below FLT_MIN, or FLT_MIN itself when rounding to 24 bits without a floor would land under it:
+    // values under the midpoint between FLT_MIN and the float below it at an unbounded exponent.
+    if (size < kSmallest || std::fabs(exact) < static_cast<double>(kSmallest) - std::ldexp(1.0, -151))
+        return std::copysign(0.0f, rounded);
+    return rounded;
+}
+
+// a * b + c, rounded once, in the flush-to-zero and denormals-are-zero modes.
+inline float fma_flushed(float a, float b, float c) {
+    a = flush_subnormal(a), b = flush_subnormal(b), c = flush_subnormal(c);
+    return flush_tiny(std::fma(a, b, c), std::fma(static_cast<double>(a), static_cast<double>(b), static_cast<double>(c)));
 }
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp. Every path

@@ -24,14 +24,17 @@ struct Lanes {
         _mm256_storeu_ps(target, low);
         _mm256_storeu_ps(target + 8, high);
     }
-    // float_to_bfloat16 on 8 lanes: round to nearest even, a NaN kept quiet.
-    static __m128i narrow(__m256 values) {
+    // float_to_bfloat16 on 8 lanes, each in its lane's low half: round to nearest even, a NaN kept quiet.
+    static __m256i rounded_bits(__m256 values) {
         const __m256i bits = _mm256_castps_si256(values);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
         const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
         const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
         const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(values, values, _CMP_UNORD_Q));
-        const __m256i chosen = _mm256_blendv_epi8(rounded, quiet, nan);
+        return _mm256_blendv_epi8(rounded, quiet, nan);
+    }
+    static __m128i narrow(__m256 values) {
+        const __m256i chosen = rounded_bits(values);
         const __m256i packed = _mm256_packus_epi32(chosen, chosen);  // within each 128-bit half
         return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
     }
@@ -44,6 +47,62 @@ struct Lanes {
     static Lanes mul(const Lanes& a, const Lanes& b) { return {_mm256_mul_ps(a.low, b.low), _mm256_mul_ps(a.high, b.high)}; }
     static Lanes div(const Lanes& a, const Lanes& b) { return {_mm256_div_ps(a.low, b.low), _mm256_div_ps(a.high, b.high)}; }
     static Lanes max(const Lanes& a, const Lanes& b) { return {_mm256_max_ps(a.low, b.low), _mm256_max_ps(a.high, b.high)}; }
+    // A query element as the score loop reads it, and 16 keys' elements 2i and 2i + 1 (keys 0-7 and
+    // 8-15, a key's pair in each 32-bit lane: element 2i + 1 the high half).
+    using Query = float;
+    static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
+    struct KeyPairs {
+        __m256i low, high;
+    };
+    static KeyPairs load_key_pairs(const uint16_t* source) {
+        return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + 16))};
+    }
+    // The pair with element 2i + 1 as 0.
+    static KeyPairs even_only(const KeyPairs& keys) {
+        const __m256i low_half = _mm256_set1_epi32(0xffff);
+        return {_mm256_and_si256(keys.low, low_half), _mm256_and_si256(keys.high, low_half)};
+    }
+    // Each lane rounded to bfloat16 (float_to_bfloat16), as a float.
+    Lanes to_bfloat16() const {
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(low), 16)),
+                _mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(high), 16))};
+    }
+    // Lanes already bfloat16 values, as Query elements.
+    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
+    // The dot products' modes, flush-to-zero and denormals-are-zero, for the scope's life.
+    struct Flushing {
+        unsigned int saved = _mm_getcsr();
+        Flushing() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON); }
+        ~Flushing() { _mm_setcsr(saved); }
+        Flushing(const Flushing&) = delete;
+        Flushing& operator=(const Flushing&) = delete;
+    };
+    static Lanes odd_of(const KeyPairs& keys) {
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+        return {_mm256_castsi256_ps(_mm256_and_si256(keys.low, high)), _mm256_castsi256_ps(_mm256_and_si256(keys.high, high))};
+    }
+    static Lanes even_of(const KeyPairs& keys) {
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(keys.low, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(keys.high, 16))};
+    }
+    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
+    // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).
+    template <int Count, int Blocks>
+    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
+        Lanes odd[Blocks], even[Blocks];
+        for (int b = 0; b < Blocks; ++b) odd[b] = odd_of(keys[b]);
+#pragma GCC unroll 16
+        for (int n = 0; n < Count; ++n) {
+            const Lanes element = set1(q[n * stride + 1]);
+            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, odd[b], acc[n][b]);
+        }
+        for (int b = 0; b < Blocks; ++b) even[b] = even_of(keys[b]);
+#pragma GCC unroll 16
+        for (int n = 0; n < Count; ++n) {
+            const Lanes element = set1(q[n * stride]);
+            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, even[b], acc[n][b]);
+        }
+    }
     static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
         return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
     }

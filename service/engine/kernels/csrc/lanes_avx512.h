@@ -3,6 +3,8 @@
 
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels.h"
 
 namespace corechat {
@@ -20,23 +22,85 @@ struct Lanes {
         return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
     }
     void store(float* target) const { _mm512_storeu_ps(target, v); }
-    // float_to_bfloat16 on 16 lanes: round to nearest even, a NaN kept quiet (vcvtneps2bf16 would
-    // flush subnormals, which torch does not).
-    void store_bfloat16(uint16_t* target) const {
+    // float_to_bfloat16 on 16 lanes, each in its lane's low half: round to nearest even, a NaN kept
+    // quiet (vcvtneps2bf16 would flush subnormals, which torch does not).
+    __m512i rounded_bits() const {
         const __m512i bits = _mm512_castps_si512(v);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
         const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
         const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
         const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        const __m512i chosen = _mm512_mask_blend_epi32(nan, rounded, quiet);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), _mm512_cvtepi32_epi16(chosen));
+        return _mm512_mask_blend_epi32(nan, rounded, quiet);
     }
+    void store_bfloat16(uint16_t* target) const {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), _mm512_cvtepi32_epi16(rounded_bits()));
+    }
+    // Each lane rounded to bfloat16 (float_to_bfloat16), as a float.
+    Lanes to_bfloat16() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(), 16))}; }
     static Lanes add(const Lanes& a, const Lanes& b) { return {_mm512_add_ps(a.v, b.v)}; }
     static Lanes sub(const Lanes& a, const Lanes& b) { return {_mm512_sub_ps(a.v, b.v)}; }
     static Lanes mul(const Lanes& a, const Lanes& b) { return {_mm512_mul_ps(a.v, b.v)}; }
     static Lanes div(const Lanes& a, const Lanes& b) { return {_mm512_div_ps(a.v, b.v)}; }
     static Lanes max(const Lanes& a, const Lanes& b) { return {_mm512_max_ps(a.v, b.v)}; }
     static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+    // 16 keys' elements 2i and 2i + 1, a key's pair in each 32-bit lane (element 2i + 1 the high half).
+    using KeyPairs = __m512i;
+    static KeyPairs load_key_pairs(const uint16_t* source) { return _mm512_loadu_si512(source); }
+    // The pair with element 2i + 1 as 0.
+    static KeyPairs even_only(const KeyPairs& keys) { return _mm512_and_si512(keys, _mm512_set1_epi32(0xffff)); }
+#ifdef CORECHAT_BF16_DOT
+    // The dot products' modes: vdpbf16ps has them whatever the MXCSR says.
+    struct Flushing {};
+    // A query element as its bfloat16 bits: elements 2i and 2i + 1 broadcast as one 32-bit lane.
+    using Query = uint16_t;
+    static Query query(uint16_t bits) { return bits; }
+    // Lanes already bfloat16 values, as Query elements.
+    static void store_query(const Lanes& lanes, Query* target) { lanes.store_bfloat16(target); }
+    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: one
+    // vdpbf16ps.
+    template <int Count, int Blocks>
+    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
+#pragma GCC unroll 16
+        for (int n = 0; n < Count; ++n) {
+            uint32_t pair;
+            std::memcpy(&pair, q + n * stride, sizeof pair);
+            const __m512bh element = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+            for (int b = 0; b < Blocks; ++b)
+                acc[n][b] = {_mm512_dpbf16_ps(acc[n][b].v, reinterpret_cast<__m512bh>(keys[b]), element)};
+        }
+    }
+#else
+    // The dot products' modes, flush-to-zero and denormals-are-zero, for the scope's life.
+    struct Flushing {
+        unsigned int saved = _mm_getcsr();
+        Flushing() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON); }
+        ~Flushing() { _mm_setcsr(saved); }
+        Flushing(const Flushing&) = delete;
+        Flushing& operator=(const Flushing&) = delete;
+    };
+    using Query = float;
+    static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
+    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
+    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
+    // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).
+    template <int Count, int Blocks>
+    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
+        Lanes odd[Blocks], even[Blocks];
+        for (int b = 0; b < Blocks; ++b)
+            odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(keys[b], _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+#pragma GCC unroll 16
+        for (int n = 0; n < Count; ++n) {
+            const Lanes element = set1(q[n * stride + 1]);
+            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, odd[b], acc[n][b]);
+        }
+        for (int b = 0; b < Blocks; ++b) even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(keys[b], 16))};
+#pragma GCC unroll 16
+        for (int n = 0; n < Count; ++n) {
+            const Lanes element = set1(q[n * stride]);
+            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, even[b], acc[n][b]);
+        }
+    }
+#endif
     // exp_nonpositive_lane (kernels.h) on 16 lanes: its operations, one by one.
     static Lanes exp_nonpositive(const Lanes& lanes) {
         __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.0f), lanes.v);

@@ -46,6 +46,45 @@ struct Lanes {
     static Lanes div(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x / y; }); }
     // a where a > b, else b: as the SIMD max instructions, which return the second operand when either is NaN.
     static Lanes max(const Lanes& a, const Lanes& b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+    // A query element as the score loop reads it, and 16 keys' elements 2i (even) and 2i + 1 (odd).
+    using Query = float;
+    static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
+    struct KeyPairs {
+        float even[16], odd[16];
+    };
+    static KeyPairs load_key_pairs(const uint16_t* source) {
+        KeyPairs out;
+        for (int i = 0; i < 16; ++i) out.even[i] = bfloat16_to_float(source[2 * i]);
+        for (int i = 0; i < 16; ++i) out.odd[i] = bfloat16_to_float(source[2 * i + 1]);
+        return out;
+    }
+    // The pair with element 2i + 1 as 0.
+    static KeyPairs even_only(KeyPairs keys) {
+        for (float& lane : keys.odd) lane = 0.0f;
+        return keys;
+    }
+    // Each lane rounded to bfloat16 (float_to_bfloat16), as a float.
+    Lanes to_bfloat16() const {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = bfloat16_to_float(float_to_bfloat16(v[i]));
+        return out;
+    }
+    // Lanes already bfloat16 values, as Query elements.
+    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
+    // The dot products' modes: the reference's operations below flush by themselves.
+    struct Flushing {};
+    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s, each an
+    // fma_flushed: vdpbf16ps's chain.
+    template <int Count, int Blocks>
+    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
+        for (int n = 0; n < Count; ++n)
+            for (int b = 0; b < Blocks; ++b)
+                for (int i = 0; i < 16; ++i) {
+                    float& lane = acc[n][b].v[i];
+                    lane = fma_flushed(q[n * stride + 1], keys[b].odd[i], lane);
+                    lane = fma_flushed(q[n * stride], keys[b].even[i], lane);
+                }
+    }
     static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
         Lanes out;
         for (int i = 0; i < 16; ++i) out.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);

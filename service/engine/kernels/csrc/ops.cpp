@@ -34,7 +34,8 @@ namespace {
 // pool costs more than it saves.
 constexpr int64_t kParallelBytes = 1 << 18;
 
-enum Path : int64_t { kBest = 0, kReference = 1, kAvx2 = 2, kAvx512Vnni = 3, kAmx = 4 };
+// kAvx512Bf16 names attention's kernels only (bf16_dot_chosen); products have no such path.
+enum Path : int64_t { kBest = 0, kReference = 1, kAvx2 = 2, kAvx512Vnni = 3, kAmx = 4, kAvx512Bf16 = 5 };
 
 bool cpu_has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -43,6 +44,20 @@ bool cpu_has_avx2() {
 bool cpu_has_avx512_vnni() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && cpu_has_avx2();
+}
+
+bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16") && cpu_has_avx512_vnni(); }
+
+// Attention's AVX-512 kernels with the bfloat16 dot product (avx512_bf16.cpp), where the library has
+// them and the CPU runs them: path kAvx512Bf16, and what the tile unit's path and `best` run there.
+// The path avx512_vnni asked for by name runs the FMA kernels (the same bits).
+bool bf16_dot_available() {
+#ifdef CORECHAT_WITH_AVX512_BF16
+    static const bool available = cpu_has_avx512_bf16();
+    return available;
+#else
+    return false;
+#endif
 }
 
 #ifdef CORECHAT_WITH_AMX
@@ -82,6 +97,7 @@ const char* path_name(Path path) {
         case kAvx2: return "avx2";
         case kAvx512Vnni: return "avx512_vnni";
         case kAmx: return "amx";
+        case kAvx512Bf16: return "avx512_bf16";
         default: return "best";
     }
 }
@@ -127,6 +143,16 @@ std::string use_path(int64_t path) {
 std::vector<std::string> paths() {
     std::vector<std::string> names;
     for (Path path : available_paths()) names.emplace_back(path_name(path));
+    return names;
+}
+
+// torch.ops.corechat.attention_paths: the paths paged_attention runs here, best last: the product
+// paths up to AVX-512 VNNI, then avx512_bf16 where the CPU has the bfloat16 dot product.
+std::vector<std::string> attention_paths() {
+    std::vector<std::string> names;
+    for (Path path : available_paths())
+        if (path != kAmx) names.emplace_back(path_name(path));
+    if (bf16_dot_available()) names.emplace_back(path_name(kAvx512Bf16));
     return names;
 }
 
@@ -277,12 +303,33 @@ Kernel lanes_kernel(int64_t requested, Kernel reference, Kernel avx2, Kernel avx
     }
 }
 
+// Whether attention runs the bfloat16 dot product's kernels (bf16_dot_available) for a requested
+// path: kAvx512Bf16, and what the tile unit's path and `best` run; avx512_vnni asked for by name
+// (or chosen by use_path) runs the FMA kernels, the same bits.
+bool bf16_dot_chosen(int64_t requested) {
+    if (requested == kAvx512Bf16) {
+        TORCH_CHECK(bf16_dot_available(), "corechat kernel path avx512_bf16 is not built or not supported by this CPU");
+        return true;
+    }
+    const Path path = resolve(requested);
+    const bool named = requested == kAvx512Vnni || (requested == kBest && chosen_path.load() == kAvx512Vnni);
+    return bf16_dot_available() && (path == kAmx || (path == kAvx512Vnni && !named));
+}
+
+#ifdef CORECHAT_WITH_AVX512_BF16
+#define CORECHAT_IF_BF16(kernel) kernel
+#else
+#define CORECHAT_IF_BF16(kernel) nullptr
+#endif
+
 AttendKernel select_attend(int64_t requested) {
+    if (bf16_dot_chosen(requested)) return CORECHAT_IF_BF16(attend_avx512_bf16);
     return lanes_kernel<AttendKernel>(requested, attend_reference, CORECHAT_IF_AVX2(attend_avx2),
                                       CORECHAT_IF_AVX512(attend_avx512));
 }
 
 AttendPartKernel select_attend_part(int64_t requested) {
+    if (bf16_dot_chosen(requested)) return CORECHAT_IF_BF16(attend_part_avx512_bf16);
     return lanes_kernel<AttendPartKernel>(requested, attend_part_reference, CORECHAT_IF_AVX2(attend_part_avx2),
                                           CORECHAT_IF_AVX512(attend_part_avx512));
 }
@@ -321,11 +368,12 @@ void write_rows(const PagedAttention& task, const at::Tensor& keys, const at::Te
         for (int64_t kv_head = 0; kv_head < task.kv_heads; ++kv_head) {
             const uint16_t* key = new_keys + row * keys.stride(0) + kv_head * keys.stride(1);
             const uint16_t* value = new_values + row * values.stride(0) + kv_head * values.stride(1);
-            uint16_t* key_slot = pool + page * task.page_stride + task.keys_offset + kv_head * kPageTokens * dim + in_page;
+            uint16_t* key_slot =
+                pool + page * task.page_stride + task.keys_offset + kv_head * kPageTokens * dim + 2 * in_page;
             uint16_t* value_slot = pool + page * task.page_stride + task.values_offset + kv_head * kPageTokens * dim +
-                                   in_page * dim;
-            for (int64_t d = 0; d < dim; ++d) key_slot[d * kPageTokens] = key[d];
-            std::memcpy(value_slot, value, dim * sizeof(uint16_t));
+                                   (in_page / 2) * 2 * dim + in_page % 2;
+            for (int64_t d = 0; d < dim; d += 2) std::memcpy(key_slot + d * kPageTokens, key + d, 2 * sizeof(uint16_t));
+            for (int64_t d = 0; d < dim; ++d) value_slot[2 * d] = value[d];
         }
     }
 }
@@ -364,15 +412,19 @@ void attend_split(const PagedAttention& task, int64_t parts, int64_t path) {
     // The engine's thread calls every layer's attention: its buffers serve them all (read through
     // pointers: a thread_local named in the lambda would be each pool thread's own).
     thread_local std::vector<float> scores_buffer, largest_buffer;
+    thread_local std::vector<uint16_t> bits_buffer;
     scores_buffer.resize(pairs * group * stride);
+    bits_buffer.resize(pairs * group * stride);
     largest_buffer.resize(pairs * parts * group);
     float *scores = scores_buffer.data(), *largest = largest_buffer.data();
+    uint16_t* bits = bits_buffer.data();
     const auto phase = [&](int step, int64_t step_parts) {
         at::parallel_for(0, pairs * step_parts, 1, [&](int64_t begin, int64_t end) {
             for (int64_t unit = begin; unit < end; ++unit) {
                 const int64_t pair = unit / step_parts;
                 kernel(task, step, pair, unit % step_parts, step_parts,
-                       AttendScratch{scores + pair * group * stride, stride, largest + pair * parts * group, parts});
+                       AttendScratch{scores + pair * group * stride, bits + pair * group * stride, stride,
+                                     largest + pair * parts * group, parts});
             }
         });
     };
@@ -399,6 +451,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
     TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256, "head dim must be 16, 32, 64, 128 or 256, not ", dim);
     TORCH_CHECK(pool.size(4) == kPageTokens * dim, "the pool's pages must hold ", kPageTokens, " tokens of dim ", dim);
     TORCH_CHECK(layer >= 0 && layer < layers, "layer ", layer, " is not in the pool's ", layers);
+    // Positive and finite: the kernel scales the largest dot product for the largest score.
+    TORCH_CHECK(std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) > 0.0f,
+                "scale must be a positive finite float32, not ", scale);
     check_bfloat16_rows(query, rows, heads, dim, "query");
     check_bfloat16_rows(keys, rows, kv_heads, dim, "keys");
     check_bfloat16_rows(values, rows, kv_heads, dim, "values");
@@ -477,6 +532,7 @@ TORCH_LIBRARY(corechat, m) {
     m.def("page_layout() -> int[]", page_layout);
     m.def("peak_multiply_adds(int path, int iterations, int threads) -> int", peak_multiply_adds);
     m.def("paths() -> str[]", paths);
+    m.def("attention_paths() -> str[]", attention_paths);
     m.def("use_path(int path) -> str", use_path);
     m.def("layout() -> (str[], int[])", layout);
 }
