@@ -68,8 +68,6 @@ struct Lanes {
         return {_mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(low), 16)),
                 _mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(high), 16))};
     }
-    // Lanes already bfloat16 values, as Query elements.
-    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
     // The dot products' modes, flush-to-zero and denormals-are-zero, for the scope's life.
     struct Flushing {
         unsigned int saved = _mm_getcsr();

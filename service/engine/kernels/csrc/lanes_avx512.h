@@ -54,8 +54,12 @@ struct Lanes {
     // A query element as its bfloat16 bits: elements 2i and 2i + 1 broadcast as one 32-bit lane.
     using Query = uint16_t;
     static Query query(uint16_t bits) { return bits; }
-    // Lanes already bfloat16 values, as Query elements.
-    static void store_query(const Lanes& lanes, Query* target) { lanes.store_bfloat16(target); }
+    // The lanes rounded to bfloat16, their bits stored; returns them rounded (one rounding for both).
+    static Lanes store_rounded(const Lanes& lanes, uint16_t* target) {
+        const __m512i bits = lanes.rounded_bits();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), _mm512_cvtepi32_epi16(bits));
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))};
+    }
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: one
     // vdpbf16ps.
     template <int Count, int Blocks>
@@ -80,7 +84,6 @@ struct Lanes {
     };
     using Query = float;
     static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
-    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
     // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).
     template <int Count, int Blocks>

@@ -69,8 +69,6 @@ struct Lanes {
         for (int i = 0; i < 16; ++i) out.v[i] = bfloat16_to_float(float_to_bfloat16(v[i]));
         return out;
     }
-    // Lanes already bfloat16 values, as Query elements.
-    static void store_query(const Lanes& lanes, Query* target) { lanes.store(target); }
     // The dot products' modes: the reference's operations below flush by themselves.
     struct Flushing {};
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s, each an
