@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import CACHE_DIR, git, progress, save_results  # noqa: E402
-from bench.versus import chat  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
+from bench.versus import chat  # noqa: E402
 from harness.client import stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
