@@ -151,7 +151,8 @@ void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stri
 // dim] bfloat16: a layer's keys of a kv head hold elements d = 2i and 2i + 1 of the page's token t
 // side by side at i * 2 * kPageTokens + 2t (the pairs of 16 tokens, which the score loop reads as
 // one vector: a bfloat16 dot product's operand), its values element d of tokens 2u and 2u + 1 side
-// by side at u * 2 * dim + 2d (which the value loop reads so, 16 elements at a time). A row (a query token) is written into its sequence's pages
+// by side at u * 2 * dim + 2d (which the value loop reads so, 16 elements at a time). A row (a query
+// token) is written into its sequence's pages
 // at its position, then attends to positions [0, position] in one fixed order (attention.inc).
 constexpr int64_t kPageTokens = 64;
 constexpr int64_t kKeyBlock = 16;

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "mxcsr.h"
 
 namespace corechat {
 
@@ -68,20 +69,16 @@ struct Lanes {
         return {_mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(low), 16)),
                 _mm256_castsi256_ps(_mm256_slli_epi32(rounded_bits(high), 16))};
     }
-    // The dot products' modes, flush-to-zero and denormals-are-zero, for the scope's life.
-    struct Flushing {
-        unsigned int saved = _mm_getcsr();
-        Flushing() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON); }
-        ~Flushing() { _mm_setcsr(saved); }
-        Flushing(const Flushing&) = delete;
-        Flushing& operator=(const Flushing&) = delete;
-    };
+    // The dot products' modes (mxcsr.h).
+    using Flushing = MxcsrFlushing;
     static Lanes odd_of(const KeyPairs& keys) {
         const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-        return {_mm256_castsi256_ps(_mm256_and_si256(keys.low, high)), _mm256_castsi256_ps(_mm256_and_si256(keys.high, high))};
+        return {_mm256_castsi256_ps(_mm256_and_si256(keys.low, high)),
+                _mm256_castsi256_ps(_mm256_and_si256(keys.high, high))};
     }
     static Lanes even_of(const KeyPairs& keys) {
-        return {_mm256_castsi256_ps(_mm256_slli_epi32(keys.low, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(keys.high, 16))};
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(keys.low, 16)),
+                _mm256_castsi256_ps(_mm256_slli_epi32(keys.high, 16))};
     }
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
     // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "mxcsr.h"
 
 namespace corechat {
 
@@ -74,14 +75,8 @@ struct Lanes {
         }
     }
 #else
-    // The dot products' modes, flush-to-zero and denormals-are-zero, for the scope's life.
-    struct Flushing {
-        unsigned int saved = _mm_getcsr();
-        Flushing() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON); }
-        ~Flushing() { _mm_setcsr(saved); }
-        Flushing(const Flushing&) = delete;
-        Flushing& operator=(const Flushing&) = delete;
-    };
+    // The dot products' modes (mxcsr.h).
+    using Flushing = MxcsrFlushing;
     using Query = float;
     static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
@@ -89,8 +84,8 @@ struct Lanes {
     template <int Count, int Blocks>
     static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
         Lanes odd[Blocks], even[Blocks];
-        for (int b = 0; b < Blocks; ++b)
-            odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(keys[b], _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int b = 0; b < Blocks; ++b) odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(keys[b], high))};
 #pragma GCC unroll 16
         for (int n = 0; n < Count; ++n) {
             const Lanes element = set1(q[n * stride + 1]);

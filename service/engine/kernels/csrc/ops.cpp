@@ -48,9 +48,8 @@ bool cpu_has_avx512_vnni() {
 
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16") && cpu_has_avx512_vnni(); }
 
-// Attention's AVX-512 kernels with the bfloat16 dot product (avx512_bf16.cpp), where the library has
-// them and the CPU runs them: path kAvx512Bf16, and what the tile unit's path and `best` run there.
-// The path avx512_vnni asked for by name runs the FMA kernels (the same bits).
+// Whether the library has attention's kernels with the bfloat16 dot product (avx512_bf16.cpp) and
+// the CPU runs them.
 bool bf16_dot_available() {
 #ifdef CORECHAT_WITH_AVX512_BF16
     static const bool available = cpu_has_avx512_bf16();
