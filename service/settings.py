@@ -257,8 +257,9 @@ class Settings(BaseSettings):
     )
     kernel_path: Literal["best", "amx", "avx512_vnni", "avx2", "reference"] = Field(
         "best", description="The kernels' instruction-set path: best (the best this CPU runs), or one it runs "
-        "(avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs; amx is avx512_vnni with a prompt's products on "
-        "the tile unit). Every path gives the same bits; a worker whose CPU lacks the path fails to start."
+        "(avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs; avx512_vnni runs attention without the bfloat16 "
+        "dot product a CPU may have; amx is the best AVX-512 path with a prompt's products on the tile unit). Every "
+        "path gives the same bits; a worker whose CPU lacks the path fails to start."
     )
     kernels_dir: str = Field(
         str(Path.home() / ".cache" / "corechat" / "kernels"),
