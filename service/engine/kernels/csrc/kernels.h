@@ -294,34 +294,6 @@ inline float largest_of_sixteen(const float lanes[16]) {
     return largest;
 }
 
-// Attention's dot products are those of the bfloat16 dot product instruction (vdpbf16ps), which the
-// paths without it follow with float32 FMAs in the MXCSR's flush-to-zero and denormals-are-zero
-// modes: subnormal inputs count as 0, and a result whose magnitude, rounded to 24 bits with an
-// unbounded exponent, is below FLT_MIN is 0 (x86 detects tininess after rounding). The plain C++
-// below is that rule, for the reference.
-inline float flush_subnormal(float x) {
-    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
-}
-
-// The rounded result `rounded` of an exact value `exact` (within double's precision of it), zero
-// where x86's flush-to-zero makes it so.
-inline float flush_tiny(float rounded, double exact) {
-    constexpr float kSmallest = std::numeric_limits<float>::min();
-    const float size = std::fabs(rounded);
-    if (!(size <= kSmallest)) return rounded;  // normal, infinite or NaN
-    // Below FLT_MIN, or FLT_MIN itself when rounding to 24 bits without a floor would land under it:
-    // values under the midpoint between FLT_MIN and the float below it at an unbounded exponent.
-    if (size < kSmallest || std::fabs(exact) < static_cast<double>(kSmallest) - std::ldexp(1.0, -151))
-        return std::copysign(0.0f, rounded);
-    return rounded;
-}
-
-// a * b + c, rounded once, in the flush-to-zero and denormals-are-zero modes.
-inline float fma_flushed(float a, float b, float c) {
-    a = flush_subnormal(a), b = flush_subnormal(b), c = flush_subnormal(c);
-    return flush_tiny(std::fma(a, b, c), std::fma(static_cast<double>(a), static_cast<double>(b), static_cast<double>(c)));
-}
-
 // e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp. Every path
 // runs these operations in this order; a NaN stays NaN.
 inline float exp_nonpositive_lane(float x) {

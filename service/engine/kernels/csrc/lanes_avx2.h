@@ -80,24 +80,9 @@ struct Lanes {
         return {_mm256_castsi256_ps(_mm256_slli_epi32(keys.low, 16)),
                 _mm256_castsi256_ps(_mm256_slli_epi32(keys.high, 16))};
     }
-    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
-    // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).
-    template <int Count, int Blocks>
-    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
-        Lanes odd[Blocks], even[Blocks];
-        for (int b = 0; b < Blocks; ++b) odd[b] = odd_of(keys[b]);
-#pragma GCC unroll 16
-        for (int n = 0; n < Count; ++n) {
-            const Lanes element = set1(q[n * stride + 1]);
-            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, odd[b], acc[n][b]);
-        }
-        for (int b = 0; b < Blocks; ++b) even[b] = even_of(keys[b]);
-#pragma GCC unroll 16
-        for (int n = 0; n < Count; ++n) {
-            const Lanes element = set1(q[n * stride]);
-            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, even[b], acc[n][b]);
-        }
-    }
+    static constexpr bool kPairDot = false;
+    // a * b + c in Flushing's modes (within its scope).
+    static Lanes fma_flushed(const Lanes& a, const Lanes& b, const Lanes& c) { return fma(a, b, c); }
     static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
         return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
     }

@@ -49,9 +49,14 @@ struct Lanes {
     static KeyPairs load_key_pairs(const uint16_t* source) { return _mm512_loadu_si512(source); }
     // The pair with element 2i + 1 as 0.
     static KeyPairs even_only(const KeyPairs& keys) { return _mm512_and_si512(keys, _mm512_set1_epi32(0xffff)); }
+    static Lanes odd_of(const KeyPairs& keys) {
+        return {_mm512_castsi512_ps(_mm512_and_si512(keys, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+    }
+    static Lanes even_of(const KeyPairs& keys) { return {_mm512_castsi512_ps(_mm512_slli_epi32(keys, 16))}; }
 #ifdef CORECHAT_BF16_DOT
     // The dot products' modes: vdpbf16ps has them whatever the MXCSR says.
     struct Flushing {};
+    static constexpr bool kPairDot = true;
     // A query element as its bfloat16 bits: elements 2i and 2i + 1 broadcast as one 32-bit lane.
     using Query = uint16_t;
     static Query query(uint16_t bits) { return bits; }
@@ -77,27 +82,11 @@ struct Lanes {
 #else
     // The dot products' modes (mxcsr.h).
     using Flushing = MxcsrFlushing;
+    static constexpr bool kPairDot = false;
     using Query = float;
     static Query query(uint16_t bits) { return bfloat16_to_float(bits); }
-    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: two FMAs
-    // in Flushing's modes, vdpbf16ps's chain (every product of two bfloat16 values is exact).
-    template <int Count, int Blocks>
-    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
-        Lanes odd[Blocks], even[Blocks];
-        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-        for (int b = 0; b < Blocks; ++b) odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(keys[b], high))};
-#pragma GCC unroll 16
-        for (int n = 0; n < Count; ++n) {
-            const Lanes element = set1(q[n * stride + 1]);
-            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, odd[b], acc[n][b]);
-        }
-        for (int b = 0; b < Blocks; ++b) even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(keys[b], 16))};
-#pragma GCC unroll 16
-        for (int n = 0; n < Count; ++n) {
-            const Lanes element = set1(q[n * stride]);
-            for (int b = 0; b < Blocks; ++b) acc[n][b] = fma(element, even[b], acc[n][b]);
-        }
-    }
+    // a * b + c in Flushing's modes (within its scope).
+    static Lanes fma_flushed(const Lanes& a, const Lanes& b, const Lanes& c) { return fma(a, b, c); }
 #endif
     // exp_nonpositive_lane (kernels.h) on 16 lanes: its operations, one by one.
     static Lanes exp_nonpositive(const Lanes& lanes) {

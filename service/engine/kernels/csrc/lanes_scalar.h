@@ -11,6 +11,34 @@ namespace corechat {
 
 namespace {
 
+// Attention's dot products are those of the bfloat16 dot product instruction (vdpbf16ps), which the
+// paths without it follow with float32 FMAs in the MXCSR's flush-to-zero and denormals-are-zero
+// modes: subnormal inputs count as 0, and a result whose magnitude, rounded to 24 bits with an
+// unbounded exponent, is below FLT_MIN is 0 (x86 detects tininess after rounding). The plain C++
+// below is that rule, the reference's.
+inline float flush_subnormal(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+}
+
+// The rounded result `rounded` of an exact value `exact` (within double's precision of it), zero
+// where x86's flush-to-zero makes it so.
+inline float flush_tiny(float rounded, double exact) {
+    constexpr float kSmallest = std::numeric_limits<float>::min();
+    const float size = std::fabs(rounded);
+    if (!(size <= kSmallest)) return rounded;  // normal, infinite or NaN
+    // Below FLT_MIN, or FLT_MIN itself when rounding to 24 bits without a floor would land under it:
+    // values under the midpoint between FLT_MIN and the float below it at an unbounded exponent.
+    if (size < kSmallest || std::fabs(exact) < static_cast<double>(kSmallest) - std::ldexp(1.0, -151))
+        return std::copysign(0.0f, rounded);
+    return rounded;
+}
+
+// a * b + c, rounded once, in the flush-to-zero and denormals-are-zero modes.
+inline float fma_flushed(float a, float b, float c) {
+    a = flush_subnormal(a), b = flush_subnormal(b), c = flush_subnormal(c);
+    return flush_tiny(std::fma(a, b, c), std::fma(static_cast<double>(a), static_cast<double>(b), static_cast<double>(c)));
+}
+
 struct Lanes {
     float v[16];
 
@@ -69,19 +97,15 @@ struct Lanes {
         for (int i = 0; i < 16; ++i) out.v[i] = bfloat16_to_float(float_to_bfloat16(v[i]));
         return out;
     }
-    // The dot products' modes: the reference's operations below flush by themselves.
+    static Lanes odd_of(const KeyPairs& keys) { return load(keys.odd); }
+    static Lanes even_of(const KeyPairs& keys) { return load(keys.even); }
+    // The dot products' modes: fma_flushed flushes by itself.
     struct Flushing {};
-    // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s, each an
-    // fma_flushed: vdpbf16ps's chain.
-    template <int Count, int Blocks>
-    static void dot_pairs(Lanes (&acc)[Count][Blocks], const Query* q, int64_t stride, const KeyPairs (&keys)[Blocks]) {
-        for (int n = 0; n < Count; ++n)
-            for (int b = 0; b < Blocks; ++b)
-                for (int i = 0; i < 16; ++i) {
-                    float& lane = acc[n][b].v[i];
-                    lane = fma_flushed(q[n * stride + 1], keys[b].odd[i], lane);
-                    lane = fma_flushed(q[n * stride], keys[b].even[i], lane);
-                }
+    static constexpr bool kPairDot = false;
+    static Lanes fma_flushed(const Lanes& a, const Lanes& b, const Lanes& c) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = corechat::fma_flushed(a.v[i], b.v[i], c.v[i]);
+        return out;
     }
     static Lanes fma(const Lanes& a, const Lanes& b, const Lanes& c) {
         Lanes out;
