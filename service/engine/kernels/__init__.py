@@ -47,6 +47,8 @@ class InstructionSet:
     cpu_flags: tuple[str, ...]
     compiler_flags: tuple[str, ...]
     source: str
+    # Attention's kernels alone: no product path of its own, never the flags the rest is built with.
+    attention_only: bool = False
 
 
 AVX2 = InstructionSet("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "avx2.cpp")
@@ -69,6 +71,7 @@ AVX512_BF16 = InstructionSet(
     AVX512_VNNI.cpu_flags + ("avx512_bf16",),
     AVX512_VNNI.compiler_flags + ("-mavx512bf16",),
     "avx512_bf16.cpp",
+    attention_only=True,
 )
 INSTRUCTION_SETS = (AVX2, AVX512_VNNI, AMX, AVX512_BF16)
 # Numbers of the kernels' `path` arguments; avx512_bf16 is paged_attention's only.
@@ -137,7 +140,7 @@ def _compile_commands(build_dir: Path, sets: list[InstructionSet],
     # A build is this CPU's (build_key): the reference and the operators' element-wise loops (norms,
     # rotary, rounding activations) are compiled for its best instruction set, which vectorizes
     # them; without -ffast-math and with -ffp-contract=off their bits are the plain C++'s.
-    products = [isa for isa in sets if isa is not AVX512_BF16]
+    products = [isa for isa in sets if not isa.attention_only]
     best = products[-1].compiler_flags if products else ()
     units = [(name, best) for name in BASELINE_SOURCES]
     units += [(isa.source, isa.compiler_flags) for isa in sets]
