@@ -317,6 +317,33 @@ inline float exp_nonpositive_lane(float x) {
     return y * power;
 }
 
+// Attention's weights (attention.inc): 2^t for t <= 0 (a little above 0 where rounding puts the
+// largest score's t), as 2^whole * p(t - whole), whole = t rounded to the nearest integer (half to
+// even) and p a degree-4 polynomial for 2^f on [-0.5, 0.5] with a relative error under 2^-18: the
+// weights are rounded to bfloat16 (a relative step of 2^-8) next, so exp_nonpositive_lane's 2^-23
+// would be spent. t is clamped at -125, where the result is still normal (p >= 0.70); NaN stays NaN.
+// Every path computes these operations in this order (SIMD: roundscale/round, and scalef or the
+// power's bits built as below).
+constexpr float kLog2E = 1.44269504088896341f;
+constexpr float kPow2Floor = -125.0f;
+constexpr float kPow2Coefficients[5] = {0.9999992847442627f, 0.6931217908859253f, 0.240247443318367f,
+                                        0.05591786280274391f, 0.009570101276040077f};
+inline float pow2_weight_lane(float t) {
+    t = kPow2Floor > t ? kPow2Floor : t;
+    const float whole = std::nearbyint(t);
+    const float f = t - whole;
+    float p = kPow2Coefficients[4];
+    p = std::fma(p, f, kPow2Coefficients[3]);
+    p = std::fma(p, f, kPow2Coefficients[2]);
+    p = std::fma(p, f, kPow2Coefficients[1]);
+    p = std::fma(p, f, kPow2Coefficients[0]);
+    if (whole != whole) return p;  // NaN: p is that NaN
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+    float power;
+    std::memcpy(&power, &bits, sizeof power);
+    return p * power;
+}
+
 // The sampler's weight of a token (weights.inc): e^x of x = (logit - largest) / temperature in float32,
 // exp_nonpositive_lane's, and 0 below e^kWeightFloor (no token that far below the largest is drawn).
 constexpr float kWeightFloor = -87.0f;

@@ -61,10 +61,12 @@ struct Lanes {
     using Query = uint16_t;
     static Query query(uint16_t bits) { return bits; }
     // The lanes rounded to bfloat16, their bits stored; returns them rounded (one rounding for both).
+    // vcvtneps2bf16 rounds as float_to_bfloat16 does but for subnormals, which it flushes: the lanes
+    // are attention's weights, normal (pow2_weight_lane's floor), 0 or NaN.
     static Lanes store_rounded(const Lanes& lanes, uint16_t* target) {
-        const __m512i bits = lanes.rounded_bits();
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), _mm512_cvtepi32_epi16(bits));
-        return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))};
+        const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lanes.v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), bits);
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
     }
     // acc[n][b] += the query's elements 2i + 1 then 2i (at q + n * stride) times keys[b]'s: one
     // vdpbf16ps.
@@ -104,6 +106,18 @@ struct Lanes {
         y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
         const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
         return {_mm512_mul_ps(y, _mm512_castsi512_ps(bits))};
+    }
+    // pow2_weight_lane (kernels.h) on 16 lanes; scalef multiplies by 2^whole as the power's bits do.
+    static Lanes pow2_weight(const Lanes& lanes) {
+        const __m512 t = _mm512_max_ps(_mm512_set1_ps(kPow2Floor), lanes.v);
+        const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(t, whole);
+        __m512 p = _mm512_set1_ps(kPow2Coefficients[4]);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[3]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[2]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[1]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[0]));
+        return {_mm512_scalef_ps(p, whole)};
     }
     // values where x >= bound, else 0 (NaN included).
     static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {

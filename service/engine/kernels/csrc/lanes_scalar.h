@@ -117,6 +117,11 @@ struct Lanes {
         for (int i = 0; i < 16; ++i) out.v[i] = exp_nonpositive_lane(x.v[i]);
         return out;
     }
+    static Lanes pow2_weight(const Lanes& t) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = pow2_weight_lane(t.v[i]);
+        return out;
+    }
     // values where x >= bound, else 0 (NaN included).
     static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
         Lanes out;
