@@ -12,13 +12,6 @@ namespace corechat {
 
 namespace {
 
-// Round half to even without libm: adding and subtracting 1.5 * 2^23 leaves the nearest integer
-// for |value| < 2^22 under the default rounding mode, and vectorizes on plain SSE2.
-inline float round_half_even(float value) {
-    constexpr float kMagic = 12582912.0f;
-    return (value + kMagic) - kMagic;
-}
-
 // Weight (output, block * kBlock + input) as stored, its offset included.
 inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, int64_t input) {
     const uint8_t* data = tile_block(w, output / kTileOutputs, block);
@@ -38,79 +31,100 @@ inline int32_t stored_weight(const Weights& w, int64_t output, int64_t block, in
 // lane, so every build computes the same bits.
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef int32_t Picks8 __attribute__((vector_size(32)));
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+typedef uint16_t Halves8 __attribute__((vector_size(16)));
+typedef int8_t Bytes8 __attribute__((vector_size(8)));
 
 // One butterfly stage inside a run of 8: each lane adds its partner (the lane `partner` picks) to
 // itself or, where `sign` is -1, to its own negation: a + b in a pair's first lane (as b + a, the same
 // sum), a - b in its second. The product by +-1 is exact, so each lane's sum has the plain loop's bits.
 inline Lanes8 stage(Lanes8 v, Picks8 partner, Lanes8 sign) { return __builtin_shuffle(v, partner) + v * sign; }
 
-// The unnormalized fast Walsh-Hadamard transform of a block, in place: at each stride h = 1, 2, 4,
-// 8, 16 in turn, every pair (i, i + h) of each run of 2h becomes (a + b, a - b). Sylvester's
-// ordering, so H is symmetric and quantized.py's rotate_groups, which rotates the weights, is the
-// same matrix. The block is four runs of 8: strides 1, 2, 4 pair lanes within a run, 8 and 16 pair
-// runs; each sum is the one the plain loop would add, so its bits too.
-inline void rotate_block(float* block) {
+// The unnormalized fast Walsh-Hadamard transform of a block (four runs of 8), in place: at each
+// stride h = 1, 2, 4, 8, 16 in turn, every pair (i, i + h) of each run of 2h becomes (a + b, a - b).
+// Sylvester's ordering, so H is symmetric and quantized.py's rotate_groups, which rotates the
+// weights, is the same matrix. Strides 1, 2, 4 pair lanes within a run, 8 and 16 pair runs; each
+// sum is the one the plain loop would add, so its bits too.
+inline void rotate_block(Lanes8* runs) {
     static_assert(kBlock == 32, "the butterfly is written for blocks of 32");
-    Lanes8 runs[4];
-    std::memcpy(runs, block, sizeof runs);
-    for (Lanes8& v : runs) {
+    for (int r = 0; r < 4; ++r) {
+        Lanes8 v = runs[r];
         v = stage(v, Picks8{1, 0, 3, 2, 5, 4, 7, 6}, Lanes8{1, -1, 1, -1, 1, -1, 1, -1});
         v = stage(v, Picks8{2, 3, 0, 1, 6, 7, 4, 5}, Lanes8{1, 1, -1, -1, 1, 1, -1, -1});
         v = stage(v, Picks8{4, 5, 6, 7, 0, 1, 2, 3}, Lanes8{1, 1, 1, 1, -1, -1, -1, -1});
+        runs[r] = v;
     }
     const Lanes8 a0 = runs[0] + runs[1], a1 = runs[0] - runs[1], a2 = runs[2] + runs[3], a3 = runs[2] - runs[3];
     runs[0] = a0 + a2;
     runs[1] = a1 + a3;
     runs[2] = a0 - a2;
     runs[3] = a1 - a3;
-    std::memcpy(block, runs, sizeof runs);
 }
 
 }  // namespace
 
+// Each block in four runs of 8 lanes, every step lane by lane so the build's vector registers take
+// it whole: the values widened from bfloat16 (bits << 16), rotated, the largest magnitude as the
+// largest of their bits with the sign cleared (the order of the floats' for finite values; inf and
+// NaN are the bits from 0x7f800000 up), then each value times the inverse step, rounded half to
+// even by adding and subtracting 1.5 * 2^23 (exact for |value| < 2^22), clamped to -127..127.
 void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols) {
     // 1 / sqrt(32), the rotation's norm, rounded to float once.
     const float inverse_root = 1.0f / std::sqrt(static_cast<float>(kBlock));
+    constexpr float kMagic = 12582912.0f;
+    constexpr uint32_t kInfinityBits = 0x7f800000u;
     const int64_t blocks = cols / kBlock;
-    float block[kBlock];
+    Lanes8 runs[4];
     for (int64_t row = begin; row < end; ++row) {
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t first = row * stride + b * kBlock;
             if (bfloat16) {
                 const uint16_t* bits = static_cast<const uint16_t*>(source) + first;
-                for (int i = 0; i < kBlock; ++i) block[i] = bfloat16_to_float(bits[i]);
+                for (int r = 0; r < 4; ++r) {
+                    Halves8 halves;
+                    std::memcpy(&halves, bits + 8 * r, sizeof halves);
+                    runs[r] = reinterpret_cast<Lanes8>(__builtin_convertvector(halves, Words8) << 16);
+                }
             } else {
-                std::memcpy(block, static_cast<const float*>(source) + first, sizeof block);
+                std::memcpy(runs, static_cast<const float*>(source) + first, sizeof runs);
             }
-            if (rotated) rotate_block(block);
-            float largest = 0.0f;
-            bool finite = true;
-            for (int i = 0; i < kBlock; ++i) {
-                largest = std::max(largest, std::fabs(block[i]));
-                finite &= std::isfinite(block[i]);
+            if (rotated) rotate_block(runs);
+            Words8 largest_bits = {};
+            for (int r = 0; r < 4; ++r) {
+                const Words8 magnitude = reinterpret_cast<Words8>(runs[r]) & 0x7fffffffu;
+                largest_bits = largest_bits > magnitude ? largest_bits : magnitude;
             }
+            uint32_t top = 0;
+            for (int i = 0; i < 8; ++i) top = std::max(top, static_cast<uint32_t>(largest_bits[i]));
             int8_t* out = values + row * cols + b * kBlock;
             float scale;
             int32_t sum = 0;
-            if (!finite) {
-                // std::max drops a NaN and the clamp would turn it into -127: a block holding NaN or
-                // inf gets a NaN scale instead, so every output of its row is NaN and a model that
-                // blew up says so rather than yielding plausible numbers.
+            if (top >= kInfinityBits) {
+                // A block holding NaN or inf gets a NaN scale, so every output of its row is NaN and a
+                // model that blew up says so rather than yielding plausible numbers.
                 scale = std::numeric_limits<float>::quiet_NaN();
                 std::memset(out, 0, kBlock);
             } else {
+                float largest;
+                std::memcpy(&largest, &top, sizeof largest);
                 const float steps = largest / 127.0f;
                 scale = rotated ? steps * inverse_root : steps;
                 // A subnormal scale's inverse can overflow to inf, and 0 * inf would turn the block's
                 // zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
                 if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
                 const float inverse = scale != 0.0f ? 1.0f / steps : 0.0f;
-                for (int i = 0; i < kBlock; ++i) {
-                    float rounded = std::min(127.0f, std::max(-127.0f, round_half_even(block[i] * inverse)));
-                    out[i] = static_cast<int8_t>(rounded);
-                    sum += out[i];
+                Picks8 total = {};
+                for (int r = 0; r < 4; ++r) {
+                    Lanes8 level = (runs[r] * inverse + kMagic) - kMagic;
+                    level = level < -127.0f ? -127.0f : level;
+                    level = level > 127.0f ? 127.0f : level;
+                    const Picks8 whole = __builtin_convertvector(level, Picks8);
+                    total += whole;
+                    const Bytes8 bytes = __builtin_convertvector(whole, Bytes8);
+                    std::memcpy(out + 8 * r, &bytes, sizeof bytes);
                 }
+                for (int i = 0; i < 8; ++i) sum += total[i];
             }
             scales[row * blocks + b] = scale;
             sums[row * blocks + b] = sum;
