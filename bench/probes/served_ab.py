@@ -53,8 +53,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--prompt-sentences", type=int, default=0,
                         help="time the first token of a prompt of this many sentences instead of decode")
+    parser.add_argument("--tree-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the working tree's server alone (with --against HEAD: an "
+                             "A/B of that variable)")
     parser.add_argument("--name", default="served-ab", help="the results files' name")
     args = parser.parse_args()
+    tree_env = dict(item.split("=", 1) for item in args.tree_env)
     from devtools.devmodel import build_dev_model
 
     model = build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
@@ -63,8 +67,8 @@ def main() -> None:
     rates: dict[str, list[float]] = {"tree": [], "against": []}
     with tempfile.TemporaryDirectory() as scratch:
         servers = {name: GunicornServer(Path(scratch), workers=physical_cores(), model=model, dtype=args.dtype,
-                                        repo=repo)
-                   for name, repo in (("tree", REPO), ("against", folder))}
+                                        repo=repo, **env)
+                   for name, repo, env in (("tree", REPO, tree_env), ("against", folder, {}))}
         try:
             for name, server in servers.items():
                 progress(f"starting the {name}'s server ({args.dtype}; a first start converts the weights)")
@@ -92,12 +96,13 @@ def main() -> None:
     ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
     # The working tree's commit (and whether it had changes) is the results' own, as save_results records it.
     results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences,
-               "rounds": args.rounds, "against": commit,
+               "rounds": args.rounds, "against": commit, "tree_env": tree_env,
                "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
     what = (f"a unique prompt's first token ({args.prompt_sentences} sentences; prompt tokens a second to the first "
             "token)" if prompt else f"one stream's decode ({args.tokens} tokens a stream)")
     table = (f"## {what[0].upper() + what[1:]}, served, working tree against {commit}: {args.dtype}, the model's "
-             f"default sampling, {args.rounds} alternating rounds (a ratio above 1: the working tree is faster)\n\n"
+             f"default sampling, {args.rounds} alternating rounds (a ratio above 1: the working tree is faster)"
+             + "".join(f"; the working tree's server with {name}={value}" for name, value in tree_env.items()) + "\n\n"
              "| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
              + "".join(f"| round {index + 1} | {tree_rate:.1f} tok/s | {against_rate:.1f} tok/s | {ratio:.3f} |\n"
                        for index, (tree_rate, against_rate, ratio) in enumerate(zip(rates["tree"], rates["against"], ratios)))
