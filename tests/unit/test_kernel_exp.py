@@ -59,7 +59,7 @@ def sanitized_exp(tmp_path_factory):
     return binary
 
 
-def test_every_input_attention_gives_the_exp_is_defined_and_close_to_expf(sanitized_exp):
+def test_the_samplers_exp_is_defined_and_close_to_expf_on_every_input(sanitized_exp):
     run = subprocess.run([str(sanitized_exp), "exp", *(bits(value) for value in INPUTS)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr

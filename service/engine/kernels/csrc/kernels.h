@@ -294,8 +294,8 @@ inline float largest_of_sixteen(const float lanes[16]) {
     return largest;
 }
 
-// e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp. Every path
-// runs these operations in this order; a NaN stays NaN.
+// e^x for x <= 0 (the sampler's logits minus their maximum, over the temperature), Cephes' expf
+// polynomial: within 2 ulp. Every path runs these operations in this order; a NaN stays NaN.
 inline float exp_nonpositive_lane(float x) {
     constexpr float kMagic = 12582912.0f;  // adding and subtracting 1.5 * 2^23 rounds half to even
     x = -87.0f > x ? -87.0f : x;
