@@ -322,27 +322,44 @@ inline float exp_nonpositive_lane(float x) {
 // even) and p a degree-4 polynomial for 2^f on [-0.5, 0.5] with a relative error under 2^-18: the
 // weights are rounded to bfloat16 (a relative step of 2^-8) next, so exp_nonpositive_lane's 2^-23
 // would be spent. t is clamped at -125, where the result is still normal (p >= 0.70); NaN stays NaN.
-// Every path computes these operations in this order (SIMD: roundscale/round, and scalef or the
-// power's bits built as below).
+// One template over every path's lanes (`Lanes`: max, nearest, sub, fma, times_power_of_two; the
+// scalar float for pow2_weight_lane), so every path computes these operations in this order.
 constexpr float kLog2E = 1.44269504088896341f;
 constexpr float kPow2Floor = -125.0f;
 constexpr float kPow2Coefficients[5] = {0.9999992847442627f, 0.6931217908859253f, 0.240247443318367f,
                                         0.05591786280274391f, 0.009570101276040077f};
-inline float pow2_weight_lane(float t) {
-    t = kPow2Floor > t ? kPow2Floor : t;
-    const float whole = std::nearbyint(t);
-    const float f = t - whole;
-    float p = kPow2Coefficients[4];
-    p = std::fma(p, f, kPow2Coefficients[3]);
-    p = std::fma(p, f, kPow2Coefficients[2]);
-    p = std::fma(p, f, kPow2Coefficients[1]);
-    p = std::fma(p, f, kPow2Coefficients[0]);
-    if (whole != whole) return p;  // NaN: p is that NaN
+
+// p * 2^whole for an integral `whole` in -125..0, by the power's bits; NaN `whole` (p is then NaN too) keeps p.
+inline float times_power_of_two(float p, float whole) {
+    if (whole != whole) return p;
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
     float power;
     std::memcpy(&power, &bits, sizeof power);
     return p * power;
 }
+
+// The scalar lane's operations, for pow2_weight below.
+struct ScalarLane {
+    float v;
+    static ScalarLane set1(float x) { return {x}; }
+    static ScalarLane max(ScalarLane a, ScalarLane b) { return {a.v > b.v ? a.v : b.v}; }
+    static ScalarLane nearest(ScalarLane x) { return {std::nearbyint(x.v)}; }
+    static ScalarLane sub(ScalarLane a, ScalarLane b) { return {a.v - b.v}; }
+    static ScalarLane fma(ScalarLane a, ScalarLane b, ScalarLane c) { return {std::fma(a.v, b.v, c.v)}; }
+    static ScalarLane times_power_of_two(ScalarLane p, ScalarLane whole) { return {corechat::times_power_of_two(p.v, whole.v)}; }
+};
+
+template <typename L>
+inline L pow2_weight(const L& t) {
+    const L clamped = L::max(L::set1(kPow2Floor), t);
+    const L whole = L::nearest(clamped);
+    const L f = L::sub(clamped, whole);
+    L p = L::set1(kPow2Coefficients[4]);
+    for (int degree = 3; degree >= 0; --degree) p = L::fma(p, f, L::set1(kPow2Coefficients[degree]));
+    return L::times_power_of_two(p, whole);
+}
+
+inline float pow2_weight_lane(float t) { return pow2_weight(ScalarLane{t}).v; }
 
 // The sampler's weight of a token (weights.inc): e^x of x = (logit - largest) / temperature in float32,
 // exp_nonpositive_lane's, and 0 below e^kWeightFloor (no token that far below the largest is drawn).

@@ -104,21 +104,20 @@ struct Lanes {
         return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
     }
     static Lanes exp_nonpositive(const Lanes& x) { return {exp8(x.low), exp8(x.high)}; }
-    // pow2_weight_lane (kernels.h) on 8 lanes.
-    static __m256 pow2_8(__m256 t) {
-        t = _mm256_max_ps(_mm256_set1_ps(kPow2Floor), t);
-        const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 f = _mm256_sub_ps(t, whole);
-        __m256 p = _mm256_set1_ps(kPow2Coefficients[4]);
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2Coefficients[3]));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2Coefficients[2]));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2Coefficients[1]));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2Coefficients[0]));
-        // A NaN lane's power: cvtps gives INT32_MIN, whose bits shifted make 1.0, so p * power is the NaN p.
+    // Each lane rounded to the nearest integer, half to even.
+    static Lanes nearest(const Lanes& x) {
+        constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        return {_mm256_round_ps(x.low, kMode), _mm256_round_ps(x.high, kMode)};
+    }
+    // p * 2^whole for integral `whole` in -125..0, the power's bits built from it; a NaN lane's
+    // power is 1.0 (cvtps gives INT32_MIN, whose bits shifted make 1.0), so p stays that NaN.
+    static __m256 times_power8(__m256 p, __m256 whole) {
         const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
         return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     }
-    static Lanes pow2_weight(const Lanes& t) { return {pow2_8(t.low), pow2_8(t.high)}; }
+    static Lanes times_power_of_two(const Lanes& p, const Lanes& whole) {
+        return {times_power8(p.low, whole.low), times_power8(p.high, whole.high)};
+    }
     // values where x >= bound, else 0 (NaN included).
     static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
         return {_mm256_and_ps(values.low, _mm256_cmp_ps(x.low, bound.low, _CMP_GE_OQ)),

@@ -107,18 +107,10 @@ struct Lanes {
         const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
         return {_mm512_mul_ps(y, _mm512_castsi512_ps(bits))};
     }
-    // pow2_weight_lane (kernels.h) on 16 lanes; scalef multiplies by 2^whole as the power's bits do.
-    static Lanes pow2_weight(const Lanes& lanes) {
-        const __m512 t = _mm512_max_ps(_mm512_set1_ps(kPow2Floor), lanes.v);
-        const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(t, whole);
-        __m512 p = _mm512_set1_ps(kPow2Coefficients[4]);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[3]));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[2]));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[1]));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Coefficients[0]));
-        return {_mm512_scalef_ps(p, whole)};
-    }
+    // Each lane rounded to the nearest integer, half to even.
+    static Lanes nearest(const Lanes& x) { return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+    // p * 2^whole for integral `whole` (vscalefps: what the power's bits give; a NaN p stays that NaN).
+    static Lanes times_power_of_two(const Lanes& p, const Lanes& whole) { return {_mm512_scalef_ps(p.v, whole.v)}; }
     // values where x >= bound, else 0 (NaN included).
     static Lanes zero_below(const Lanes& values, const Lanes& x, const Lanes& bound) {
         return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, bound.v, _CMP_GE_OQ), values.v)};

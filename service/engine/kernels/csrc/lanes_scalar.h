@@ -117,9 +117,14 @@ struct Lanes {
         for (int i = 0; i < 16; ++i) out.v[i] = exp_nonpositive_lane(x.v[i]);
         return out;
     }
-    static Lanes pow2_weight(const Lanes& t) {
+    static Lanes nearest(const Lanes& x) {
         Lanes out;
-        for (int i = 0; i < 16; ++i) out.v[i] = pow2_weight_lane(t.v[i]);
+        for (int i = 0; i < 16; ++i) out.v[i] = std::nearbyint(x.v[i]);
+        return out;
+    }
+    static Lanes times_power_of_two(const Lanes& p, const Lanes& whole) {
+        Lanes out;
+        for (int i = 0; i < 16; ++i) out.v[i] = corechat::times_power_of_two(p.v[i], whole.v[i]);
         return out;
     }
     // values where x >= bound, else 0 (NaN included).
