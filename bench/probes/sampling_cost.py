@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -27,20 +26,16 @@ sys.path.insert(0, str(REPO))
 from bench import progress, save_results  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from harness.client import stream_chat  # noqa: E402
+from harness.observe import scrape, value  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
 
 WAYS = ("greedy", "defaults")
 
 
-def accepted_drafts(url: str) -> int:
-    """Return the draft tokens the server's workers have taken since it started, from /metrics (which adds
-    up every worker's count, where /readyz tells the answering worker's)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith('corechat_speculative_tokens_total{outcome="accepted"}'):
-                return round(float(line.split()[-1]))
-    return 0
+def accepted_drafts(server) -> int:
+    """Return the draft tokens every worker of the server has taken (/readyz tells the answering worker's)."""
+    return round(value(scrape(server), "corechat_speculative_tokens_total", outcome="accepted"))
 
 
 def main() -> None:
@@ -68,12 +63,12 @@ def main() -> None:
             for round_index in range(args.rounds):
                 for way in WAYS if round_index % 2 == 0 else reversed(WAYS):
                     messages = [{"role": "user", "content": f"{tag} {round_index} {way}: tell me a long story."}]
-                    before = accepted_drafts(server.url)
+                    before = accepted_drafts(server)
                     result = stream_chat(server.url, messages, args.tokens, greedy=way == "greedy")
                     if result.error:
                         raise RuntimeError(f"the {way} stream failed: {result.error}")
                     rates[way].append(result.decode_tokens_per_second)
-                    drafts[way].append(accepted_drafts(server.url) - before)
+                    drafts[way].append(accepted_drafts(server) - before)
                 progress(f"round {round_index + 1}: greedy {rates['greedy'][-1]:.1f}, "
                          f"defaults {rates['defaults'][-1]:.1f} tok/s")
         finally:
