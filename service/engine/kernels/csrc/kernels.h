@@ -294,12 +294,15 @@ inline float largest_of_sixteen(const float lanes[16]) {
     return largest;
 }
 
+// log2(e) in float32: the sampler's exp and attention's 2^t both scale by it.
+constexpr float kLog2E = 1.44269504088896341f;
+
 // e^x for x <= 0 (the sampler's logits minus their maximum, over the temperature), Cephes' expf
 // polynomial: within 2 ulp. Every path runs these operations in this order; a NaN stays NaN.
 inline float exp_nonpositive_lane(float x) {
     constexpr float kMagic = 12582912.0f;  // adding and subtracting 1.5 * 2^23 rounds half to even
     x = -87.0f > x ? -87.0f : x;
-    const float whole = (x * 1.44269504088896341f + kMagic) - kMagic;
+    const float whole = (x * kLog2E + kMagic) - kMagic;
     x = x - whole * 0.693359375f;
     x = x - whole * -2.12194440e-4f;
     float y = 1.9875691500e-4f;
@@ -324,7 +327,6 @@ inline float exp_nonpositive_lane(float x) {
 // would be spent. t is clamped at -125, where the result is still normal (p >= 0.70); NaN stays NaN.
 // One template over every path's lanes (`Lanes`: max, nearest, sub, fma, times_power_of_two; the
 // scalar float for pow2_weight_lane), so every path computes these operations in this order.
-constexpr float kLog2E = 1.44269504088896341f;
 constexpr float kPow2Floor = -125.0f;
 constexpr float kPow2Coefficients[5] = {0.9999992847442627f, 0.6931217908859253f, 0.240247443318367f,
                                         0.05591786280274391f, 0.009570101276040077f};

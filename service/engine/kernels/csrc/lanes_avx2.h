@@ -90,7 +90,7 @@ struct Lanes {
     static __m256 exp8(__m256 x) {
         x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
         const __m256 magic = _mm256_set1_ps(12582912.0f);
-        const __m256 whole = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+        const __m256 whole = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)), magic), magic);
         x = _mm256_sub_ps(x, _mm256_mul_ps(whole, _mm256_set1_ps(0.693359375f)));
         x = _mm256_sub_ps(x, _mm256_mul_ps(whole, _mm256_set1_ps(-2.12194440e-4f)));
         __m256 y = _mm256_set1_ps(1.9875691500e-4f);

@@ -94,7 +94,7 @@ struct Lanes {
     static Lanes exp_nonpositive(const Lanes& lanes) {
         __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.0f), lanes.v);
         const __m512 magic = _mm512_set1_ps(12582912.0f);
-        const __m512 whole = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+        const __m512 whole = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)), magic), magic);
         x = _mm512_sub_ps(x, _mm512_mul_ps(whole, _mm512_set1_ps(0.693359375f)));
         x = _mm512_sub_ps(x, _mm512_mul_ps(whole, _mm512_set1_ps(-2.12194440e-4f)));
         __m512 y = _mm512_set1_ps(1.9875691500e-4f);
