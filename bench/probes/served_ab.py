@@ -10,7 +10,9 @@ engine's per-token path (its Python, the operators around the forward) is then j
 of two decode rates taken moments apart on the same machine, which moves far less than two runs'
 absolute figures. `--prompt-sentences N` times instead the first token of a unique prompt of N
 sentences (bench/versus.py's long prompts: 334 make about 5,000 tokens), for a change to the prompt
-pass. Prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default
+pass; `--streams N` instead sends N streams at once to each server (greedy, as bench/versus.py's
+aggregate scenarios do) and compares all their tokens over the wall time, for a change to batched
+decode. Prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default
 served-ab) with the CPU, date and both revisions.
 """
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from bench import CACHE_DIR, git, progress, save_results  # noqa: E402
 from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from bench.versus import chat  # noqa: E402
-from harness.client import stream_chat  # noqa: E402
+from harness.client import concurrent_streams, stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
 
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--prompt-sentences", type=int, default=0,
                         help="time the first token of a prompt of this many sentences instead of decode")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="send this many greedy streams at once and compare their aggregate tokens a second")
     parser.add_argument("--tree-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the working tree's server alone (with --against HEAD: an "
                              "A/B of that variable)")
@@ -77,6 +81,16 @@ def main() -> None:
             for round_index in range(args.rounds):
                 order = ("tree", "against") if round_index % 2 == 0 else ("against", "tree")
                 for name in order:
+                    if args.streams > 1:
+                        runs, wall = concurrent_streams(
+                            servers[name].url, [[{"role": "user", "content": f"{tag} {round_index} {index}: tell me a "
+                                                  "long story about a lighthouse."}] for index in range(args.streams)],
+                            args.tokens)
+                        failed = [run.error for run in runs if run.error]
+                        if failed:
+                            raise RuntimeError(f"a stream of the {name}'s failed: {failed[0]}")
+                        rates[name].append(sum(run.completion_tokens for run in runs) / wall)
+                        continue
                     if prompt:
                         result = stream_chat(servers[name].url, chat(args.prompt_sentences, f"{tag}{round_index}{name}"),
                                              1, greedy=False)
@@ -95,13 +109,15 @@ def main() -> None:
                 server.stop()
     ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
     # The working tree's commit (and whether it had changes) is the results' own, as save_results records it.
-    results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences,
+    results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences, "streams": args.streams,
                "rounds": args.rounds, "against": commit, "tree_env": tree_env,
                "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
     what = (f"a unique prompt's first token ({args.prompt_sentences} sentences; prompt tokens a second to the first "
-            "token)" if prompt else f"one stream's decode ({args.tokens} tokens a stream)")
-    table = (f"## {what[0].upper() + what[1:]}, served, working tree against {commit}: {args.dtype}, the model's "
-             f"default sampling, {args.rounds} alternating rounds (a ratio above 1: the working tree is faster)"
+            "token)" if prompt else f"{args.streams} greedy streams at once (all their tokens over the wall time, "
+            f"{args.tokens} tokens a stream)" if args.streams > 1 else f"one stream's decode ({args.tokens} tokens a stream)")
+    sampling = "greedy" if args.streams > 1 else "the model's default sampling"
+    table = (f"## {what[0].upper() + what[1:]}, served, working tree against {commit}: {args.dtype}, {sampling}, "
+             f"{args.rounds} alternating rounds (a ratio above 1: the working tree is faster)"
              + "".join(f"; the working tree's server with {name}={value}" for name, value in tree_env.items()) + "\n\n"
              "| | working tree | " + commit + " | tree / " + commit + " |\n|---|---|---|---|\n"
              + "".join(f"| round {index + 1} | {tree_rate:.1f} tok/s | {against_rate:.1f} tok/s | {ratio:.3f} |\n"
