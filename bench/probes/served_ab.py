@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from bench.versus import chat  # noqa: E402
 from harness.client import concurrent_streams, stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
+
+# The pause before each burst of --streams: twice the workers' load window.
+QUIET_SECONDS = 0.5
 
 
 def unpacked(revision: str) -> tuple[str, Path]:
@@ -82,6 +86,10 @@ def main() -> None:
                 order = ("tree", "against") if round_index % 2 == 0 else ("against", "tree")
                 for name in order:
                     if args.streams > 1:
+                        # A worker gathers a burst on one batch only while other processes left a core
+                        # idle over the last load window (service/engine/cores.py): not the other
+                        # server's burst that just ended.
+                        time.sleep(QUIET_SECONDS)
                         runs, wall = concurrent_streams(
                             servers[name].url, [[{"role": "user", "content": f"{tag} {round_index} {index}: tell me a "
                                                   "long story about a lighthouse."}] for index in range(args.streams)],

@@ -14,7 +14,11 @@ thread that shares its core with another process makes every product wait for th
 processes other than the master's workers leave a whole CPU free: what kept the machine's CPUs
 busy over the last LOAD_WINDOW_SECONDS (/proc/stat) less the CPU time the workers publish in the
 table. The workers' own time is left out because the table already says which of them are busy,
-at once, where a window would still count a sibling that has just gone idle.
+at once, where a window would still count a sibling that has just gone idle. A window runs from the
+last reading to the next, so an idle worker's event loop reads the load every LOAD_WINDOW_SECONDS
+(sample_load): otherwise the first reading after an idle minute would average the whole minute, and
+a burst arriving just after another process's work ended would split over the workers and its
+streams decode slower to their end (docs/performance.md).
 
 Threads never change a result: the kernels compute each output whole on one thread (ops.cpp).
 """
@@ -105,6 +109,13 @@ class SharedCores:
             self.threads = threads
         self._table[self._slot] = threads
         return threads
+
+    def sample_load(self) -> None:
+        """Read the machine's load if its window is over (the idle event loop calls this every
+        LOAD_WINDOW_SECONDS), so that the next reading covers the last window, not the time since
+        this worker last had work."""
+        if self.lends and self._load is not None:
+            self._load.others()
 
     def others_leave_a_core(self) -> bool:
         """Tell whether other processes leave this worker a core to borrow now (from any thread)."""

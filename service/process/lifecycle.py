@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..api.corechat import corechat_of
-from ..engine.cores import SLOT_BYTES, SharedCores, busy_cpu_seconds
+from ..engine.cores import LOAD_WINDOW_SECONDS, SLOT_BYTES, SharedCores, busy_cpu_seconds
 from ..observability.metrics import report_not_ready, report_ready
 from ..topology import physical_core_groups, physical_cores
 from .gathering import GATHER_PROMPT_TOKENS, Gathering, make_table
@@ -122,6 +122,8 @@ def boot_worker(worker) -> None:
     cores = SharedCores(_core_table if lending else None, slot, physical_cores(), settings.threads_per_worker,
                         torch.set_num_threads, busy_seconds=busy_cpu_seconds)
     core.engine.facts.update(slot=slot, workers=settings.worker_count, lends_cores=cores.lends)
+    if cores.lends:
+        worker.sample_load, worker.idle_wake_seconds = cores.sample_load, LOAD_WINDOW_SECONDS
     # Streams gathered on one worker decode on the cores the others lend it: without lending (or
     # while other processes keep the CPUs busy) they would share its own core while the others idle.
     if settings.gather_streams and cores.lends and _gather_table is not None:

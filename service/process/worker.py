@@ -101,6 +101,10 @@ class CorechatWorker(RequestThreads, ConnectionEnds, ThreadWorker):
         # slot in the table, and whether its engine has little prompt work ahead.
         self.gathering: Gathering | None = None
         self.gather_room: Callable[[], bool] = lambda: True
+        # Set by the lifecycle when this worker lends cores: the machine's load, read at every wake of
+        # the loop, which wakes every idle_wake_seconds while idle (cores.py: SharedCores.sample_load).
+        self.sample_load: Callable[[], None] = lambda: None
+        self.idle_wake_seconds = 1.0
         self.accepting_again_at = 0.0
 
     # Readiness ------------------------------------------------------------------------------
@@ -171,10 +175,13 @@ class CorechatWorker(RequestThreads, ConnectionEnds, ThreadWorker):
             self.notify()
             self.set_accept_enabled(self.nr_conns < self.worker_connections)
             # A worker that left connections to a gathering one looks at its listeners again soon,
-            # and one with streams says again soon whether it gathers (its engine's state moves on).
-            timeout = GATHER_REFRESH_SECONDS if self.gathering is not None and self.streams() else 1.0
+            # and one with streams says again soon whether it gathers (its engine's state moves on);
+            # an idle one that lends cores wakes every load window to read the machine's load.
+            holding = self.gathering is not None and self.streams()
+            timeout = GATHER_REFRESH_SECONDS if holding else self.idle_wake_seconds
             deferred = self.accepting_again_at - time.monotonic()
             self.wait_for_and_dispatch_events(timeout=min(timeout, deferred) if deferred > 0 else timeout)
+            self.sample_load()
             self.publish_gathering()
             if not self.is_parent_alive():
                 break

@@ -151,6 +151,24 @@ def test_whether_others_leave_a_core_follows_the_machines_load_measured_again_on
     assert not no_sharing(1).others_leave_a_core(), "a worker that cannot lend gathers nothing on lent cores"
 
 
+def test_a_load_sampled_while_idle_reads_the_last_window_not_the_time_since_the_last_work():
+    """An idle worker's loop samples the load every window: a burst that arrives just after another
+    process's minute of work ended reads the quiet last window and gathers (unsampled, the first
+    reading averages the whole minute, and the burst splits over the workers to its end)."""
+    for sampled in (False, True):
+        clocks = Clocks()
+        worker = clocks.view(new_table(), 0)
+        worker.release()
+        assert worker.others_leave_a_core()
+        clocks.advance(60.0, busy_cpus=2.0)  # another process's minute on both CPUs
+        for _ in range(3):
+            clocks.advance(LOAD_WINDOW_SECONDS, busy_cpus=0.0)
+            if sampled:
+                worker.sample_load()
+        assert worker.others_leave_a_core() is sampled
+        assert worker.take() == (2 if sampled else 1)
+
+
 def test_a_long_forward_between_takes_is_not_counted_as_load_when_the_event_loop_asks():
     """The fused layers call take() once a forward: during a prompt pass of seconds this worker's
     published CPU time stands still while the machine's grows. Measured then (by the event loop
