@@ -117,12 +117,16 @@ def main() -> None:
                 server.stop()
     ratios = [tree_rate / against_rate for tree_rate, against_rate in zip(rates["tree"], rates["against"])]
     # The working tree's commit (and whether it had changes) is the results' own, as save_results records it.
-    results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences, "streams": args.streams,
-               "rounds": args.rounds, "against": commit, "tree_env": tree_env,
+    results = {"dtype": args.dtype, "tokens": args.tokens, "prompt_sentences": args.prompt_sentences,
+               "streams": args.streams, "rounds": args.rounds, "against": commit, "tree_env": tree_env,
                "tree_tokens_per_second": rates["tree"], "against_tokens_per_second": rates["against"], "ratios": ratios}
-    what = (f"a unique prompt's first token ({args.prompt_sentences} sentences; prompt tokens a second to the first "
-            "token)" if prompt else f"{args.streams} greedy streams at once (all their tokens over the wall time, "
-            f"{args.tokens} tokens a stream)" if args.streams > 1 else f"one stream's decode ({args.tokens} tokens a stream)")
+    if args.streams > 1:
+        what = f"{args.streams} greedy streams at once (all their tokens over the wall time, {args.tokens} tokens a stream)"
+    elif prompt:
+        what = (f"a unique prompt's first token ({args.prompt_sentences} sentences; prompt tokens a second to the "
+                "first token)")
+    else:
+        what = f"one stream's decode ({args.tokens} tokens a stream)"
     sampling = "greedy" if args.streams > 1 else "the model's default sampling"
     table = (f"## {what[0].upper() + what[1:]}, served, working tree against {commit}: {args.dtype}, {sampling}, "
              f"{args.rounds} alternating rounds (a ratio above 1: the working tree is faster)"
