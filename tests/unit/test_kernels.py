@@ -201,6 +201,30 @@ def test_a_non_finite_activation_makes_every_output_of_its_row_nan_on_every_path
                     assert same_bits(got, reference), (path, rows, dtype, float32_output)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_activations_at_floats_high_end_give_the_references_bits_on_every_path(fmt):
+    """Blocks whose largest magnitude is float32's largest, or just below the size whose rotated sums
+    overflow: every path rounds them as the reference does (a rotated block whose sums reach inf makes
+    its row NaN, never a finite guess; unrotated, the products may overflow, alike), float32 and
+    bfloat16 inputs alike."""
+    generator = torch.Generator().manual_seed(12)
+    outputs, inputs = 21, 256
+    weight, scales = quantized(fmt, outputs, inputs, generator)
+    largest = torch.finfo(torch.float32).max
+    for size in (largest, largest / 32, float_next(largest / 32, 0.0), largest / 64, 1e30):
+        x = (torch.rand(4, inputs, generator=generator) * 2 - 1) * size
+        x[:, ::32] = size
+        x[1] = -x[1]
+        x[3, 1::2] = x[3, ::2]  # pairs alike: the rotation's differences are 0, its sums as large as they get
+        for dtype in (torch.float32, torch.bfloat16):
+            reference = product(fmt, x.to(dtype), weight, scales, outputs)
+            if fmt in ROTATED and size == largest:
+                assert reference.isnan().all(), dtype
+            for path in simd_paths():
+                got = product(fmt, x.to(dtype), weight, scales, outputs, path=path)
+                assert same_bits(got, reference), (path, size, dtype)
+
+
 def integral_weights(fmt, outputs: int, inputs: int, generator: torch.Generator):
     """Return random weights whose stored scales are 1 (integers reaching the format's extreme in every
     group), so that tiny activations give products that stay normal floats."""

@@ -145,6 +145,11 @@ void matmul_amx(const QuantizedRows&, const Weights&, const float*, Output, int6
 // arrays, each block rotated first if `rotated`.
 void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols);
+using QuantizeKernel = void (*)(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin,
+                               int64_t end, int8_t* values, float* scales, int32_t* sums, int64_t cols);
+// The same on AVX-512 registers (avx512_vnni.cpp), the same bits.
+void quantize_rows_avx512(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
+                          int8_t* values, float* scales, int32_t* sums, int64_t cols);
 
 // Paged attention: every running sequence's keys and values live in pages of one pool, a table
 // per sequence listing its pages in order. The pool is [pages][layers][2][kv_heads][kPageTokens *

@@ -171,7 +171,9 @@ void check_cpu(const at::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.is_cpu(), name, " must be a CPU tensor, not one on ", tensor.device());
 }
 
-QuantizedInput quantize_input(const at::Tensor& input, int64_t format) {
+QuantizeKernel select_quantize(int64_t path);
+
+QuantizedInput quantize_input(const at::Tensor& input, int64_t format, int64_t path) {
     check_cpu(input, "input");
     TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input must be a contiguous matrix");
     TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
@@ -184,6 +186,7 @@ QuantizedInput quantize_input(const at::Tensor& input, int64_t format) {
                      at::empty({rows, blocks}, input.options().dtype(at::kFloat)),
                      at::empty({rows, blocks}, input.options().dtype(at::kInt))};
     const bool bfloat16_input = input.scalar_type() == at::kBFloat16;
+    const QuantizeKernel quantize_rows = select_quantize(path);
     at::parallel_for(0, rows, std::max<int64_t>(1, kParallelBytes / (inputs * 4)), [&](int64_t begin, int64_t end) {
         quantize_rows(input.const_data_ptr(), bfloat16_input, rotated_blocks(format), inputs, begin, end, x.values.data_ptr<int8_t>(),
                       x.scales.data_ptr<float>(), x.sums.data_ptr<int32_t>(), inputs);
@@ -274,7 +277,7 @@ at::Tensor product(const QuantizedInput& input, const at::Tensor& weight, const 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias, int64_t format, int64_t outputs,
                             bool float32_output, int64_t path) {
-    return product(quantize_input(input, format), weight, scales, bias, format, outputs, float32_output, path);
+    return product(quantize_input(input, format, path), weight, scales, bias, format, outputs, float32_output, path);
 }
 
 namespace {
@@ -334,6 +337,12 @@ AttendPartKernel select_attend_part(int64_t requested) {
 }
 
 }  // namespace
+
+// The activation rounding of a path: reference.cpp's plain code (built for this CPU's best
+// instruction set, so the AVX2 path's too), the AVX-512 one on the AVX-512 and tile-unit paths.
+QuantizeKernel select_quantize(int64_t path) {
+    return lanes_kernel<QuantizeKernel>(path, quantize_rows, quantize_rows, CORECHAT_IF_AVX512(quantize_rows_avx512));
+}
 
 TokenWeightsKernel select_token_weights(int64_t path) {
     return lanes_kernel<TokenWeightsKernel>(path, token_weights_reference, CORECHAT_IF_AVX2(token_weights_avx2),

@@ -27,7 +27,8 @@ struct QuantizedInput {
 
 // Round a contiguous bfloat16 or float32 matrix's rows for the products of a weight format (its
 // blocks rotated for a rotated format, kernels.h): once per input, however many products take it.
-QuantizedInput quantize_input(const at::Tensor& input, int64_t format);
+// Every path (0: the best) gives the same bits.
+QuantizedInput quantize_input(const at::Tensor& input, int64_t format, int64_t path = 0);
 
 // One product of a rounded input: a stored weight (kernels.h), its scales and float32 bias, the
 // outputs it holds and whether they come out as float32 (else bfloat16).
