@@ -8,6 +8,7 @@ squares in its own order). Rows must not change each other's results, nor thread
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,45 @@ def test_rms_norm_is_transformers_norm_within_its_two_roundings(width):
     assert torch.isfinite(ours).all()
     assert ulps_apart(ours, theirs).max() <= 2
     assert (ours == theirs).float().mean() > 0.999
+
+
+def norm_as_defined(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """corechat's RMSNorm computed here, one float32 operation at a time: each row's squares summed
+    into 8 lanes (element i into lane i % 8, in order), the lanes added as kernels.h's sum_lanes, then
+    weight * bf16(x * (1 / sqrt(mean + eps)))."""
+    rows, width = hidden.shape
+    x = hidden.float()
+    lanes = torch.zeros(rows, 8)
+    for start in range(0, width, 8):
+        chunk = x[:, start:start + 8]
+        lanes[:, : chunk.shape[1]] = lanes[:, : chunk.shape[1]] + chunk * chunk
+    even = (lanes[:, 0] + lanes[:, 4]) + (lanes[:, 2] + lanes[:, 6])
+    total = even + ((lanes[:, 1] + lanes[:, 5]) + (lanes[:, 3] + lanes[:, 7]))
+    # numpy's float32 division and square root, each rounded once (torch's 1 / x is a reciprocal an
+    # ulp away at times).
+    inverse = torch.from_numpy(np.float32(1.0) / np.sqrt(total.numpy() / np.float32(width) + np.float32(EPS)))
+    return (weight.float() * (x * inverse[:, None]).bfloat16().float()).bfloat16()
+
+
+@pytest.mark.parametrize("width", [8, 20, 64, 100, 896, 4864])
+def test_rms_norm_gives_the_bits_of_its_defined_order(width):
+    """Eight elements at a time and the tail one by one: every width gives the bits of the order it
+    defines, down to the smallest numbers and beside NaN and inf (rows of their own). An order changed
+    moves a row's float32 mean by an ulp, which flips about one bfloat16 output in 2^16: hence 400,000
+    random elements a width."""
+    generator = torch.Generator().manual_seed(width)
+    weight = (torch.rand(width, generator=generator) + 0.5).bfloat16()
+    hidden = torch.cat([torch.randn(400_000 // width, width, generator=generator) * 3, torch.full((1, width), 1e-38),
+                        torch.full((1, width), 3e38), torch.randn(1, width, generator=generator) * 1e-30,
+                        torch.zeros(1, width)]).bfloat16()
+    poisoned = hidden[:2].clone()
+    poisoned[0, width // 2], poisoned[1, -1] = float("nan"), float("inf")
+    hidden = torch.cat([hidden, poisoned])
+    ours = torch.ops.corechat.rms_norm(hidden, weight, EPS)
+    want = norm_as_defined(hidden, weight)
+    # NaN where the definition gives NaN (torch writes its own NaN's bits), the same bits elsewhere.
+    assert torch.equal(ours.isnan(), want.isnan()) and want[-2:].isnan().any(dim=1).all()
+    assert torch.equal(ours.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
 
 
 def random_quantized(fmt, outputs: int, inputs: int, generator: torch.Generator):
@@ -186,6 +226,31 @@ def test_wide_layers_share_their_products_tiles_among_threads_without_changing_a
     """Wide enough to run in parallel (ops.cpp: kParallelBytes): q, k and v, then gate and up, are one
     range of tiles the threads take in chunks that cross from one product into the next."""
     assert_fused_as_one_by_one(Layer(fmt, width=1024, intermediate=4096, seed=100 + rows, heads=16), rows, seed=rows)
+
+
+@pytest.mark.parametrize("head_dim", [20, 48])
+def test_the_rotary_of_heads_whose_halves_are_not_whole_vectors_gives_transformers_bits(head_dim):
+    """Each half of a head eight elements at a time and the rest one by one (a half of 10 or 24): the
+    rotary gives apply_rotary_pos_emb's bits, as it does on 64-element heads."""
+    generator = torch.Generator().manual_seed(head_dim)
+    width, rows = 64, 5
+    products = [random_quantized(INT8, outputs, width, generator) for outputs in (2 * head_dim, head_dim, head_dim)]
+    hidden = (torch.randn(rows, width, generator=generator) * 2).bfloat16()
+    norm = (torch.rand(width, generator=generator) + 0.5).bfloat16()
+    angles = torch.arange(rows)[:, None] * 3.0 * 1e4 ** (-torch.arange(0, head_dim, 2) / head_dim)
+    angles = torch.cat([angles] * 2, dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got = torch.ops.corechat.attention_inputs(hidden, norm, EPS, [p[0] for p in products], [p[1] for p in products],
+                                              [p[2] for p in products], [2 * head_dim, head_dim, head_dim],
+                                              [INT8.code] * 3, cos, sin, head_dim)
+    states = torch.ops.corechat.rms_norm(hidden, norm, EPS)
+    for index, outputs in enumerate((2 * head_dim, head_dim)):
+        weight, scales, bias = products[index]
+        projected = torch.ops.corechat.quantized_linear(states, weight, scales, bias, INT8.code, outputs, False)
+        heads = projected.view(rows, -1, head_dim)
+        turned = torch.cat((-heads[..., head_dim // 2:], heads[..., : head_dim // 2]), dim=-1)
+        want = ((heads * cos[:, None]) + (turned * sin[:, None])).view(rows, -1)
+        assert torch.equal(got[index], want), index
 
 
 def test_a_rows_fused_result_does_not_depend_on_the_rows_beside_it():

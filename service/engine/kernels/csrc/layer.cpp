@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -36,9 +37,42 @@ namespace {
 
 // Rows per task of the elementwise loops: a decode step's few rows run on the calling thread.
 constexpr int64_t kRowGrain = 16;
+// Elements per task of a sum: a decode step's rows (a few thousand elements) on the calling thread.
+constexpr int64_t kElementGrain = 1 << 15;
 constexpr int64_t kMaxHeadDim = 512;
 
 inline float rounded(float value) { return bfloat16_to_float(float_to_bfloat16(value)); }
+
+// Eight elements as one value of GCC's vector extension (reference.cpp's kind), which this file's
+// build (the CPU's best instruction set) turns into one register: every operation lane by lane, the
+// same IEEE operation as the scalar code's on each element (-ffp-contract=off: no fused multiply-add).
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef uint32_t Bits8 __attribute__((vector_size(32)));
+typedef uint16_t Halves8 __attribute__((vector_size(16)));
+
+inline Floats8 widened8(const uint16_t* bits) {
+    Halves8 halves;
+    std::memcpy(&halves, bits, sizeof halves);
+    return reinterpret_cast<Floats8>(__builtin_convertvector(halves, Bits8) << 16);
+}
+
+// float_to_bfloat16 on each lane: round to nearest even, a NaN kept quiet.
+inline void store8(uint16_t* target, Floats8 values) {
+    const Bits8 bits = reinterpret_cast<Bits8>(values);
+    const Bits8 nan = reinterpret_cast<Bits8>((bits & 0x7fffffffu) > 0x7f800000u);
+    const Bits8 chosen = nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const Halves8 halves = __builtin_convertvector(chosen, Halves8);
+    std::memcpy(target, &halves, sizeof halves);
+}
+
+// rounded() on each lane.
+inline Floats8 rounded8(Floats8 values) {
+    uint16_t bits[8];
+    store8(bits, values);
+    return widened8(bits);
+}
+
+inline Floats8 splat8(float value) { return Floats8{value, value, value, value, value, value, value, value}; }
 
 inline const uint16_t* bits(const at::Tensor& tensor) {
     return reinterpret_cast<const uint16_t*>(tensor.const_data_ptr());
@@ -59,14 +93,25 @@ void check_vector(const at::Tensor& tensor, int64_t size, const char* name) {
 }
 
 // Qwen2RMSNorm of one row: weight * bf16(x * (1 / sqrt(mean(x^2) + eps))).
+// Eight elements at a time, lane i % 8 taking element i in order as the scalar loop's lanes[i % 8] does.
 void norm_row(const uint16_t* x, const uint16_t* weight, int64_t width, float eps, uint16_t* out) {
-    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < width; ++i) {
+    Floats8 squares = splat8(0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+        const Floats8 values = widened8(x + i);
+        squares = squares + values * values;
+    }
+    float lanes[8];
+    std::memcpy(lanes, &squares, sizeof lanes);
+    for (; i < width; ++i) {
         const float value = bfloat16_to_float(x[i]);
         lanes[i % 8] = lanes[i % 8] + value * value;
     }
     const float inverse = 1.0f / std::sqrt(sum_lanes(lanes) / static_cast<float>(width) + eps);
-    for (int64_t i = 0; i < width; ++i)
+    // Each element's eight are read before they are written: in place (norm_heads) is safe.
+    for (i = 0; i + 8 <= width; i += 8)
+        store8(out + i, widened8(weight + i) * rounded8(widened8(x + i) * splat8(inverse)));
+    for (; i < width; ++i)
         out[i] = float_to_bfloat16(bfloat16_to_float(weight[i]) * rounded(bfloat16_to_float(x[i]) * inverse));
 }
 
@@ -91,18 +136,29 @@ void rotate(at::Tensor& states, int64_t head_dim, const at::Tensor& cos, const a
     const int64_t rows = states.size(0), width = states.size(1), half = head_dim / 2;
     uint16_t* data = mutable_bits(states);
     const uint16_t *c = bits(cos), *s = bits(sin);
+    // x[i] from the head as it was (a copy), eight elements at a time within each half.
+    const auto rotated = [&](const uint16_t* head, const uint16_t* row_cos, const uint16_t* row_sin, int64_t i,
+                             int64_t partner, bool negated, uint16_t* x) {
+        if (i + 8 <= (negated ? half : head_dim)) {
+            const Floats8 other = widened8(head + partner);
+            store8(x + i, rounded8(widened8(head + i) * widened8(row_cos + i)) +
+                              rounded8((negated ? -other : other) * widened8(row_sin + i)));
+            return int64_t{8};
+        }
+        const float other = bfloat16_to_float(head[partner]);
+        x[i] = float_to_bfloat16(rounded(bfloat16_to_float(head[i]) * bfloat16_to_float(row_cos[i])) +
+                                 rounded((negated ? -other : other) * bfloat16_to_float(row_sin[i])));
+        return int64_t{1};
+    };
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-        float head[kMaxHeadDim];
+        uint16_t head[kMaxHeadDim];
         for (int64_t row = begin; row < end; ++row) {
             for (int64_t start = 0; start < width; start += head_dim) {
                 uint16_t* x = data + row * width + start;
                 const uint16_t *row_cos = c + row * head_dim, *row_sin = s + row * head_dim;
-                for (int64_t i = 0; i < head_dim; ++i) head[i] = bfloat16_to_float(x[i]);
-                for (int64_t i = 0; i < head_dim; ++i) {
-                    const float partner = i < half ? -head[i + half] : head[i - half];
-                    x[i] = float_to_bfloat16(rounded(head[i] * bfloat16_to_float(row_cos[i])) +
-                                             rounded(partner * bfloat16_to_float(row_sin[i])));
-                }
+                std::memcpy(head, x, head_dim * sizeof(uint16_t));
+                for (int64_t i = 0; i < half;) i += rotated(head, row_cos, row_sin, i, i + half, true, x);
+                for (int64_t i = half; i < head_dim;) i += rotated(head, row_cos, row_sin, i, i - half, false, x);
             }
         }
     });
@@ -126,12 +182,17 @@ void norm_heads(at::Tensor& states, int64_t head_dim, const at::Tensor& weight, 
 }
 
 // sum = bf16(sum + addend), elementwise, in place.
+// Each element alone: a prompt chunk's share the threads, eight at a time.
 void add_into(at::Tensor& sum, const at::Tensor& addend) {
     const int64_t count = sum.numel();
     uint16_t* out = mutable_bits(sum);
     const uint16_t* other = bits(addend);
-    for (int64_t i = 0; i < count; ++i)
-        out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
+    at::parallel_for(0, (count + 7) / 8, kElementGrain / 8, [&](int64_t begin, int64_t end) {
+        int64_t i = begin * 8;
+        for (; i + 8 <= std::min(count, end * 8); i += 8) store8(out + i, widened8(out + i) + widened8(other + i));
+        for (; i < std::min(count, end * 8); ++i)
+            out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
+    });
 }
 
 // The products of a block: weights, scales, biases, output counts and formats side by side.
