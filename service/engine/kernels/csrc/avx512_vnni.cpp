@@ -11,9 +11,6 @@
 #define CORECHAT_TOKEN_WEIGHTS token_weights_avx512
 #include "weights.inc"
 
-#include <cmath>
-#include <limits>
-
 namespace corechat {
 
 namespace {
@@ -55,10 +52,8 @@ inline __m512 widened(const uint16_t* bits) {
 // clamped), so the same bits, in about half the instructions of the plain code's runs of 8.
 void quantize_rows_avx512(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                           int8_t* values, float* scales, int32_t* sums, int64_t cols) {
-    const float inverse_root = 1.0f / std::sqrt(static_cast<float>(kBlock));
     const __m512 magic = _mm512_set1_ps(12582912.0f), lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f);
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-    constexpr uint32_t kInfinityBits = 0x7f800000u;
     const int64_t blocks = cols / kBlock;
     for (int64_t row = begin; row < end; ++row) {
         for (int64_t b = 0; b < blocks; ++b) {
@@ -76,18 +71,12 @@ void quantize_rows_avx512(const void* source, bool bfloat16, bool rotated, int64
             const uint32_t top = _mm512_reduce_max_epu32(_mm512_max_epu32(
                 _mm512_and_si512(_mm512_castps_si512(low), magnitude), _mm512_and_si512(_mm512_castps_si512(high), magnitude)));
             int8_t* out = values + row * cols + b * kBlock;
-            float scale;
+            float scale, step_inverse;
             int32_t sum = 0;
-            if (top >= kInfinityBits) {
-                scale = std::numeric_limits<float>::quiet_NaN();
+            if (!block_scale(top, rotated, scale, step_inverse)) {
                 std::memset(out, 0, kBlock);
             } else {
-                float largest;
-                std::memcpy(&largest, &top, sizeof largest);
-                const float steps = largest / 127.0f;
-                scale = rotated ? steps * inverse_root : steps;
-                if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
-                const __m512 inverse = _mm512_set1_ps(scale != 0.0f ? 1.0f / steps : 0.0f);
+                const __m512 inverse = _mm512_set1_ps(step_inverse);
                 __m512i whole[2];
                 int half = 0;
                 for (const __m512 run : {low, high}) {

@@ -141,13 +141,34 @@ void matmul_avx2(const QuantizedRows&, const Weights&, const float*, Output, int
 void matmul_avx512_vnni(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 void matmul_amx(const QuantizedRows&, const Weights&, const float*, Output, int64_t, int64_t);
 
+// A rounded block's scale and the inverse of its step (largest / 127), from the bits of its largest
+// magnitude (sign cleared): what every quantize_rows computes once per block. False for a block
+// holding NaN or inf, which gets a NaN scale, so every output of its row is NaN and a model that
+// blew up says so rather than yielding plausible numbers. A rotated block's scale carries the
+// rotation's 1 / sqrt(32). A subnormal scale's inverse can overflow to inf, and 0 * inf would turn
+// the block's zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
+inline bool block_scale(uint32_t top, bool rotated, float& scale, float& inverse) {
+    if (top >= 0x7f800000u) {
+        scale = std::numeric_limits<float>::quiet_NaN();
+        return false;
+    }
+    float largest;
+    std::memcpy(&largest, &top, sizeof largest);
+    const float steps = largest / 127.0f;
+    scale = rotated ? steps * (1.0f / std::sqrt(static_cast<float>(kBlock))) : steps;
+    if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
+    inverse = scale != 0.0f ? 1.0f / steps : 0.0f;
+    return true;
+}
+
 // Round rows [begin, end) of `source` (float32 or bfloat16 bits, row stride `stride`) into x's
 // arrays, each block rotated first if `rotated`.
 void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols);
+// The same on AVX-512 registers (avx512_vnni.cpp), the same bits; ops.cpp's select_quantize picks a
+// path's.
 using QuantizeKernel = void (*)(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin,
                                int64_t end, int8_t* values, float* scales, int32_t* sums, int64_t cols);
-// The same on AVX-512 registers (avx512_vnni.cpp), the same bits.
 void quantize_rows_avx512(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                           int8_t* values, float* scales, int32_t* sums, int64_t cols);
 

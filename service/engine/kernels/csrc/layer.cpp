@@ -182,7 +182,7 @@ void norm_heads(at::Tensor& states, int64_t head_dim, const at::Tensor& weight, 
 }
 
 // sum = bf16(sum + addend), elementwise, in place.
-// Each element alone: a prompt chunk's share the threads, eight at a time.
+// Each element alone, eight at a time; a prompt chunk's elements are shared by the threads.
 void add_into(at::Tensor& sum, const at::Tensor& addend) {
     const int64_t count = sum.numel();
     uint16_t* out = mutable_bits(sum);

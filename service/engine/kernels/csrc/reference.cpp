@@ -1,10 +1,10 @@
 // The plain C++ reference every instruction-set path must match bit for bit, and the activation
-// rounding they all share. Plain C++: built for this CPU's best instruction set, which vectorizes
+// rounding of the reference and AVX2 paths (the AVX-512 paths round with avx512_vnni.cpp's, the same
+// bits). Plain C++: built for this CPU's best instruction set, which vectorizes
 // it, its bits are the same (no -ffast-math, -ffp-contract=off).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "kernels.h"
 
@@ -70,10 +70,7 @@ inline void rotate_block(Lanes8* runs) {
 // even by adding and subtracting 1.5 * 2^23 (exact for |value| < 2^22), clamped to -127..127.
 void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                    int8_t* values, float* scales, int32_t* sums, int64_t cols) {
-    // 1 / sqrt(32), the rotation's norm, rounded to float once.
-    const float inverse_root = 1.0f / std::sqrt(static_cast<float>(kBlock));
     constexpr float kMagic = 12582912.0f;
-    constexpr uint32_t kInfinityBits = 0x7f800000u;
     const int64_t blocks = cols / kBlock;
     Lanes8 runs[4];
     for (int64_t row = begin; row < end; ++row) {
@@ -98,22 +95,11 @@ void quantize_rows(const void* source, bool bfloat16, bool rotated, int64_t stri
             uint32_t top = 0;
             for (int i = 0; i < 8; ++i) top = std::max(top, static_cast<uint32_t>(largest_bits[i]));
             int8_t* out = values + row * cols + b * kBlock;
-            float scale;
+            float scale, inverse;
             int32_t sum = 0;
-            if (top >= kInfinityBits) {
-                // A block holding NaN or inf gets a NaN scale, so every output of its row is NaN and a
-                // model that blew up says so rather than yielding plausible numbers.
-                scale = std::numeric_limits<float>::quiet_NaN();
+            if (!block_scale(top, rotated, scale, inverse)) {
                 std::memset(out, 0, kBlock);
             } else {
-                float largest;
-                std::memcpy(&largest, &top, sizeof largest);
-                const float steps = largest / 127.0f;
-                scale = rotated ? steps * inverse_root : steps;
-                // A subnormal scale's inverse can overflow to inf, and 0 * inf would turn the block's
-                // zeros into -127: a block that small quantizes to zeros, so every scale is 0 or normal.
-                if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
-                const float inverse = scale != 0.0f ? 1.0f / steps : 0.0f;
                 Picks8 total = {};
                 for (int r = 0; r < 4; ++r) {
                     Lanes8 level = (runs[r] * inverse + kMagic) - kMagic;
