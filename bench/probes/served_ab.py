@@ -33,10 +33,12 @@ from bench.probes.dev_model import DEV_MODEL_DIR  # noqa: E402
 from bench.versus import chat  # noqa: E402
 from harness.client import concurrent_streams, stream_chat  # noqa: E402
 from harness.servers import GunicornServer  # noqa: E402
+from service.engine.cores import LOAD_WINDOW_SECONDS  # noqa: E402
 from service.topology import physical_cores  # noqa: E402
 
-# The pause before each burst of --streams: twice the workers' load window.
-QUIET_SECONDS = 0.5
+# The pause before each burst of --streams: two and a half of the workers' load windows, so the
+# window they read before the burst holds none of the other server's.
+QUIET_SECONDS = 2.5 * LOAD_WINDOW_SECONDS
 
 
 def unpacked(revision: str) -> tuple[str, Path]:

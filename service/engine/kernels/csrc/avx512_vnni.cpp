@@ -49,7 +49,7 @@ inline __m512 widened(const uint16_t* bits) {
 // reference.cpp's quantize_rows on 16 lanes a register, a block in two: every step the same IEEE
 // operation on the same values (the rotation's sums, the largest magnitude's bits, the block's step
 // and its inverse, each value times the inverse, rounded by adding and subtracting 1.5 * 2^23 and
-// clamped), so the same bits, in about half the instructions of the plain code's runs of 8.
+// clamped), so the same bits; the block's scale and step come from kernels.h's block_scale, as there.
 void quantize_rows_avx512(const void* source, bool bfloat16, bool rotated, int64_t stride, int64_t begin, int64_t end,
                           int8_t* values, float* scales, int32_t* sums, int64_t cols) {
     const __m512 magic = _mm512_set1_ps(12582912.0f), lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f);

@@ -188,10 +188,10 @@ void add_into(at::Tensor& sum, const at::Tensor& addend) {
     uint16_t* out = mutable_bits(sum);
     const uint16_t* other = bits(addend);
     at::parallel_for(0, (count + 7) / 8, kElementGrain / 8, [&](int64_t begin, int64_t end) {
+        const int64_t last = std::min(count, end * 8);
         int64_t i = begin * 8;
-        for (; i + 8 <= std::min(count, end * 8); i += 8) store8(out + i, widened8(out + i) + widened8(other + i));
-        for (; i < std::min(count, end * 8); ++i)
-            out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
+        for (; i + 8 <= last; i += 8) store8(out + i, widened8(out + i) + widened8(other + i));
+        for (; i < last; ++i) out[i] = float_to_bfloat16(bfloat16_to_float(out[i]) + bfloat16_to_float(other[i]));
     });
 }
 
