@@ -7,12 +7,17 @@ runs one decode step's products of the 0.5B dev model's shapes (bench/probes/ker
 layers and the output layer, random weights, each its own memory) with each library in turn, the
 order alternating round by round. A change to a kernel is then judged by the ratio of the two
 step times taken moments apart on the same weights, which a shared machine's drift moves far less
-than two runs' absolute figures. Each library multiplies weights converted by its own revision's
-service/engine/quantized.py, so a revision that stores a format otherwise is timed on its own
-format (int6, the 4-bit formats' output layer, runs as every product's format, against revisions that
-have it). It first checks that both give the same bits (every path must; not compared where the two
-read different layouts), prints a table and writes bench/results/<machine>/<name>.json and .md
-(--name, default kernel-ab) with the CPU, date and both revisions.
+than two runs' absolute figures. Where REV's service/engine/quantized.py is the working tree's, both
+libraries multiply the very same weights (two copies in different memory differ by a few percent
+between themselves); otherwise each multiplies weights converted by its own revision's, so a
+revision that stores a format otherwise is timed on its own format (int6, the 4-bit formats' output
+layer, runs as every product's format, against revisions that have it). Before each round it sums
+1 GB on the same threads: a shared host's memory runs at one pace for tens of seconds, then another
+(30 to 60 GB/s), and a change to how the weights are read may win at one pace only, so the table
+gives the ratio over the rounds at or above the median read rate and below it too. It first checks
+that both give the same bits (every path must; not compared where the two read different layouts),
+prints a table and writes bench/results/<machine>/<name>.json and .md (--name, default kernel-ab)
+with the CPU, date and both revisions.
 """
 
 import argparse
@@ -85,10 +90,19 @@ def run_step(operator, fmt: str, weights, activations: dict[int, torch.Tensor], 
             for weight, scales, outputs, inputs in weights]
 
 
+def read_rate(data: torch.Tensor) -> float:
+    """Return the bytes a second one sum over `data` read (the memory's pace at this moment)."""
+    began = time.perf_counter()
+    data.sum()
+    return data.numel() * data.element_size() / (time.perf_counter() - began)
+
+
 def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> dict:
-    """Time a step's products with both libraries in turns, each on its own revision's weights; return
-    their median times and the ratios."""
-    weights = {name: step_weights(converter, fmt) for name, converter in converters.items()}
+    """Time a step's products with both libraries in turns, each on its revision's weights (one set for
+    both where the converters are the same), reading the memory's pace before each round; return their
+    median times and the ratios, over all rounds and split at the median pace."""
+    shared = step_weights(converters["tree"], fmt) if converters["against"] is None else None
+    weights = {name: shared or step_weights(converter, fmt) for name, converter in converters.items()}
     generator = torch.Generator().manual_seed(rows)
     activations = {width: torch.randn(rows, width, generator=generator).to(torch.bfloat16)
                    for width in (HIDDEN, INTERMEDIATE)}
@@ -100,18 +114,27 @@ def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> di
         same_bits = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                         for a, b in zip(outputs["tree"], outputs["against"], strict=True))
     seconds = {name: [] for name in operators}
+    paces = []
+    pace_data = torch.rand(256 * 1024 * 1024)
     for round_number in range(rounds):
+        paces.append(read_rate(pace_data))
         for name in (list(operators) if round_number % 2 == 0 else list(operators)[::-1]):
             began = time.perf_counter()
             run_step(operators[name], fmt, weights[name], activations, path)
             seconds[name].append(time.perf_counter() - began)
     ratios = [tree / against for tree, against in zip(seconds["tree"], seconds["against"], strict=True)]
     quartiles = statistics.quantiles(ratios, n=4)
+    middle = statistics.median(paces)
+    by_pace = {half: statistics.median(ratio for ratio, pace in zip(ratios, paces, strict=True) if keep(pace))
+               for half, keep in (("faster", lambda pace: pace >= middle), ("slower", lambda pace: pace < middle))
+               if any(keep(pace) for pace in paces)}
     return {"format": fmt, "rows": rows, "same_bits": same_bits,
             "weight_bytes": {name: sum(w.numel() * w.element_size() + s.numel() * s.element_size()
                                        for w, s, _, _ in step) for name, step in weights.items()},
             "median_seconds": {name: statistics.median(values) for name, values in seconds.items()},
-            "ratio_median": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]]}
+            "ratio_median": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]],
+            "shared_weights": shared is not None, "read_bytes_per_second": paces, "ratio_median_by_pace": by_pace,
+            "median_read_bytes_per_second": middle}
 
 
 def main() -> None:
@@ -130,10 +153,12 @@ def main() -> None:
     commit, library = build_revision(args.against)
     torch.ops.load_library(str(library))
     path = kernels.PATHS[args.path]
-    converters = {"tree": quantized, "against": revision_converter(commit)}
+    # None: the revision converts as the working tree does, and both multiply the same weights.
+    same_converter = git("show", f"{commit}:{CONVERTER}") == (REPO / CONVERTER).read_text()
+    converters = {"tree": quantized, "against": None if same_converter else revision_converter(commit)}
     results = [compare(fmt, rows, args.rounds, path, converters) for fmt in args.formats for rows in args.rows]
-    lines = ["| format | rows | working tree | " + commit + " | tree / " + commit + " (median, quartiles) | same bits |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| format | rows | working tree | " + commit + " | tree / " + commit + " (median, quartiles) | "
+             "at the faster memory / the slower | same bits |", "|---|---|---|---|---|---|---|"]
     for result in results:
         cells = []
         for name in ("tree", "against"):
@@ -141,10 +166,17 @@ def main() -> None:
             cells.append(f"{seconds * 1e3:.2f} ms, {result['weight_bytes'][name] / seconds / 1e9:.1f} GB/s")
         low, high = result["ratio_quartiles"]
         same = {None: "other layout", True: "yes", False: "NO"}[result["same_bits"]]
+        halves = result["ratio_median_by_pace"]
+        paced = " / ".join(f"{halves[half]:.3f}" if half in halves else "-" for half in ("faster", "slower"))
         lines.append(f"| {result['format']} | {result['rows']} | {cells[0]} | {cells[1]} | "
-                     f"{result['ratio_median']:.3f} ({low:.3f}-{high:.3f}) | {same} |")
+                     f"{result['ratio_median']:.3f} ({low:.3f}-{high:.3f}) | {paced} "
+                     f"(split at {result['median_read_bytes_per_second'] / 1e9:.0f} GB/s) | {same} |")
+    weights_note = "both on the same weights" if converters["against"] is None else "each on its own revision's weights"
     table = (f"## One decode step's products, working tree against {commit}: path {args.path}, {args.threads} "
-             f"thread(s), {args.rounds} alternating rounds (a ratio below 1: the working tree is faster)\n\n"
+             f"thread(s), {args.rounds} alternating rounds (a ratio below 1: the working tree is faster); "
+             f"{weights_note}; "
+             f"the ratio also over the rounds whose 1 GB sum before them read at or above the median rate, and "
+             f"below it\n\n"
              + "\n".join(lines) + "\n")
     save_results(args.name, {"against": commit, "path": args.path, "threads": args.threads, "rounds": args.rounds,
                                "comparisons": results}, table)
