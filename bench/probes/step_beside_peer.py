@@ -65,7 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = run_probe("bandwidth", "--threads", str(args.threads), "--megabytes", "1024")["bytes_per_second"]
     torch.set_num_threads(args.threads)
-    peer = prepare(args.peer, DEV_MODEL_DIR)
+    from devtools.devmodel import build_dev_model
+
+    peer = prepare(args.peer, build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"))
     binary = llama_bench(peer.toolchain)
     repack = "-rtr" in peer.toolchain.server_options
     results = {"peer": args.peer, "peer_version": peer.version, "threads": args.threads, "tokens": args.tokens,
