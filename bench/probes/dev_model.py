@@ -14,6 +14,13 @@ from bench import CACHE_DIR
 DEV_MODEL_DIR = CACHE_DIR / "bench-qwen2.5-0.5b"
 
 
+def built_dev_model() -> Path:
+    """Build the 0.5B dev model folder once; return it."""
+    from devtools.devmodel import build_dev_model
+
+    return build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b")
+
+
 def load_dev_model(dtype: str):
     """Build (once) and load the 0.5B dev model as a worker does; return the model and its tokenizer.
 
@@ -25,9 +32,7 @@ def load_dev_model(dtype: str):
 
 def load_prepared_dev_model(dtype: str):
     """load_dev_model, and what preparing the model decided (service.engine.prepare.PreparedModel)."""
-    from devtools.devmodel import build_dev_model
-
-    return load_prepared_model(build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"), dtype)
+    return load_prepared_model(built_dev_model(), dtype)
 
 
 def load_prepared_model(model_dir: Path, dtype: str):
@@ -61,7 +66,5 @@ def load_runner(model_dir: Path, dtype: str, kv_cache_mb: int = 1024):
 
 def load_dev_runner(dtype: str, kv_cache_mb: int = 1024):
     """Load the 0.5B dev model as a worker does; return the runner its engine drives and the tokenizer."""
-    from devtools.devmodel import build_dev_model
-
-    runner, tokenizer, _ = load_runner(build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"), dtype, kv_cache_mb)
+    runner, tokenizer, _ = load_runner(built_dev_model(), dtype, kv_cache_mb)
     return runner, tokenizer

@@ -97,12 +97,15 @@ def read_rate(data: torch.Tensor) -> float:
     return data.numel() * data.element_size() / (time.perf_counter() - began)
 
 
-def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> dict:
+def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict, pace_data: torch.Tensor) -> dict:
     """Time a step's products with both libraries in turns, each on its revision's weights (one set for
     both where the converters are the same), reading the memory's pace before each round; return their
-    median times and the ratios, over all rounds and split at the median pace."""
-    shared = step_weights(converters["tree"], fmt) if converters["against"] is None else None
-    weights = {name: shared or step_weights(converter, fmt) for name, converter in converters.items()}
+    median times and the ratios, over all rounds and split at the median pace (summing `pace_data`)."""
+    shared = converters["against"] is None
+    if shared:
+        weights = dict.fromkeys(converters, step_weights(converters["tree"], fmt))
+    else:
+        weights = {name: step_weights(converter, fmt) for name, converter in converters.items()}
     generator = torch.Generator().manual_seed(rows)
     activations = {width: torch.randn(rows, width, generator=generator).to(torch.bfloat16)
                    for width in (HIDDEN, INTERMEDIATE)}
@@ -115,7 +118,6 @@ def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> di
                         for a, b in zip(outputs["tree"], outputs["against"], strict=True))
     seconds = {name: [] for name in operators}
     paces = []
-    pace_data = torch.rand(256 * 1024 * 1024)
     for round_number in range(rounds):
         paces.append(read_rate(pace_data))
         for name in (list(operators) if round_number % 2 == 0 else list(operators)[::-1]):
@@ -133,7 +135,7 @@ def compare(fmt: str, rows: int, rounds: int, path: int, converters: dict) -> di
                                        for w, s, _, _ in step) for name, step in weights.items()},
             "median_seconds": {name: statistics.median(values) for name, values in seconds.items()},
             "ratio_median": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]],
-            "shared_weights": shared is not None, "read_bytes_per_second": paces, "ratio_median_by_pace": by_pace,
+            "shared_weights": shared, "read_bytes_per_second": paces, "ratio_median_by_pace": by_pace,
             "median_read_bytes_per_second": middle}
 
 
@@ -156,7 +158,9 @@ def main() -> None:
     # None: the revision converts as the working tree does, and both multiply the same weights.
     same_converter = git("show", f"{commit}:{CONVERTER}") == (REPO / CONVERTER).read_text()
     converters = {"tree": quantized, "against": None if same_converter else revision_converter(commit)}
-    results = [compare(fmt, rows, args.rounds, path, converters) for fmt in args.formats for rows in args.rows]
+    # 1 GB, summed before each round to read the memory's pace.
+    pace_data = torch.rand(256 * 1024 * 1024)
+    results = [compare(fmt, rows, args.rounds, path, converters, pace_data) for fmt in args.formats for rows in args.rows]
     lines = ["| format | rows | working tree | " + commit + " | tree / " + commit + " (median, quartiles) | "
              "at the faster memory / the slower | same bits |", "|---|---|---|---|---|---|---|"]
     for result in results:

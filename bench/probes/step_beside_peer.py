@@ -24,18 +24,19 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import progress, save_results  # noqa: E402
-from bench.peer import Toolchain, exclusive  # noqa: E402
+from bench.peer import PEER_DIR, Toolchain, exclusive  # noqa: E402
 from bench.peers import PEERS, prepare  # noqa: E402
 from bench.probes import run_probe  # noqa: E402
-from bench.probes.dev_model import DEV_MODEL_DIR, load_dev_runner  # noqa: E402
-from bench.probes.step_probe import PROMPT, lone_steps  # noqa: E402
+from bench.probes.dev_model import built_dev_model, load_dev_runner  # noqa: E402
+from bench.probes.step_probe import chat_prompt_ids, lone_steps  # noqa: E402
 from bench.versus import PEER_QUANTIZATION  # noqa: E402
 
 
 def llama_bench(toolchain: Toolchain) -> Path:
     """Return the peer's llama-bench, built in its configured build folder if it is not there yet."""
     binary = toolchain.build / "bin" / "llama-bench"
-    with exclusive(toolchain.build.parent / "build.lock"):
+    # The lock every peer build takes (bench/peer.py: build_once).
+    with exclusive(PEER_DIR / "build.lock"):
         if not binary.is_file():
             progress(f"building llama-bench in {toolchain.build}")
             subprocess.run(["cmake", "--build", str(toolchain.build), "--target", "llama-bench"], check=True,
@@ -65,9 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = run_probe("bandwidth", "--threads", str(args.threads), "--megabytes", "1024")["bytes_per_second"]
     torch.set_num_threads(args.threads)
-    from devtools.devmodel import build_dev_model
-
-    peer = prepare(args.peer, build_dev_model(DEV_MODEL_DIR, preset="qwen2.5-0.5b"))
+    peer = prepare(args.peer, built_dev_model())
     binary = llama_bench(peer.toolchain)
     repack = "-rtr" in peer.toolchain.server_options
     results = {"peer": args.peer, "peer_version": peer.version, "threads": args.threads, "tokens": args.tokens,
@@ -76,9 +75,7 @@ def main() -> None:
     for fmt in args.formats:
         quantization = PEER_QUANTIZATION[fmt]
         runner, tokenizer = load_dev_runner(fmt)
-        prompt_ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
-        if not isinstance(prompt_ids, list):
-            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = chat_prompt_ids(tokenizer)
         lone_steps(runner, prompt_ids, 16)
         ours, theirs = [], []
         for number in range(args.rounds):

@@ -164,6 +164,12 @@ def measure_decode(runner, prompt_ids: list[int], rows: int, steps: int) -> dict
             "output_weight_bytes": tensor_bytes((model.lm_head.qweight, model.lm_head.qscale))}
 
 
+def chat_prompt_ids(tokenizer) -> list[int]:
+    """Return PROMPT's tokens as the chat template renders it for a reply."""
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
 def lone_steps(runner, prompt_ids: list[int], steps: int) -> float:
     """Return the median seconds of one sequence's decode steps, as the step table times them."""
     with torch.inference_mode():
@@ -314,9 +320,7 @@ def main() -> None:
         runner, tokenizer = load_dev_runner(dtype)
         if runner.lean.registered is None:
             raise SystemExit(f"DTYPE={dtype} does not run the fused layers; the step probe splits int8 and int4 steps")
-        prompt_ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
-        if not isinstance(prompt_ids, list):
-            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = chat_prompt_ids(tokenizer)
         for rows in args.rows:
             run = {"dtype": dtype, **measure_decode(runner, prompt_ids, rows, args.steps)}
             results["decode"].append(run)
